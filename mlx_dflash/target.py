@@ -1,0 +1,186 @@
+"""The target model, driven through our own layer loop over mlx-lm's modules and weights.
+
+Speculative decoding needs three things mlx-lm's `Model.__call__` does not give: one position
+per token (tree nodes at the same depth share a position), an arbitrary attention structure
+(a causal block or a tree given by parent indices), and the hidden states of the tapped
+layers. Rather than patch mlx-lm's classes, we call their submodules (projections, norms,
+rope, MLP/MoE) from one loop here; what differs per architecture is declared in ARCHITECTURES.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .cache import KVCache
+from .errors import DFlashError
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What the standard-attention families do differently."""
+
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+
+
+ARCHITECTURES: dict[str, AttentionSpec] = {
+    "llama": AttentionSpec(),
+    "mistral": AttentionSpec(),
+    "qwen2": AttentionSpec(),
+    "qwen3": AttentionSpec(qk_norm=True),
+    "qwen3_moe": AttentionSpec(qk_norm=True),
+}
+
+
+def tree_depths(parents: np.ndarray) -> np.ndarray:
+    """Depth of every node (root = 0); parents come before children."""
+    depth = np.zeros(len(parents), dtype=np.int32)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    return depth
+
+
+class Target:
+    """A loaded mlx-lm model plus the bits the engine needs: taps, caches, a flexible forward."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any, config: dict, tap_ids=()):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.model_type = config.get("model_type", "")
+        if self.model_type not in ARCHITECTURES:
+            supported = ", ".join(sorted(ARCHITECTURES))
+            raise DFlashError(
+                f"Target architecture '{self.model_type}' is not supported (supported: {supported})."
+            )
+        self.spec = ARCHITECTURES[self.model_type]
+        self.inner = model.model
+        self.layers = self.inner.layers
+        self.num_layers = len(self.layers)
+        self.hidden_size = int(config["hidden_size"])
+        self.vocab_size = int(config["vocab_size"])
+        self.set_taps(tap_ids)
+
+    def set_taps(self, tap_ids) -> None:
+        tap_ids = [int(t) for t in tap_ids]
+        for t in tap_ids:
+            if not 0 <= t < self.num_layers:
+                raise DFlashError(
+                    f"Tapped layer {t} does not exist in a target with {self.num_layers} layers."
+                )
+        self.tap_ids = tap_ids
+
+    def make_cache(self) -> list[KVCache]:
+        return [KVCache() for _ in self.layers]
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.inner.embed_tokens(tokens)
+
+    def lm_head(self, h: mx.array) -> mx.array:
+        head = getattr(self.model, "lm_head", None)
+        if head is not None:
+            return head(h)
+        return self.inner.embed_tokens.as_linear(h)
+
+    def _attention(self, attn, x, cache: KVCache, start: int, positions, parents):
+        T = x.shape[1]
+        q = attn.q_proj(x).reshape(1, T, attn.n_heads, -1)
+        k = attn.k_proj(x).reshape(1, T, attn.n_kv_heads, -1)
+        v = attn.v_proj(x).reshape(1, T, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        if self.spec.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        if positions is None:
+            q = attn.rope(q.transpose(0, 2, 1, 3), offset=start)
+            k = attn.rope(k.transpose(0, 2, 1, 3), offset=start)
+        else:
+            # mx.fast.rope takes one offset per batch row: put the tokens on the batch axis.
+            q = attn.rope(q.transpose(1, 2, 0, 3), offset=positions).transpose(2, 1, 0, 3)
+            k = attn.rope(k.transpose(1, 2, 0, 3), offset=positions).transpose(2, 1, 0, 3)
+        keys, values = cache.append(k, v)
+        if parents is None:
+            mask = "causal" if T > 1 else None
+            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=mask)
+        else:
+            from .tree_attention import tree_attention
+
+            out = tree_attention(q, keys, values, parents, attn.scale)
+        return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, T, -1))
+
+    def forward(
+        self,
+        tokens: mx.array,
+        cache: list[KVCache],
+        start: int,
+        parents: np.ndarray | None = None,
+        logits: str = "all",
+        taps: bool = True,
+    ) -> tuple[mx.array | None, mx.array | None]:
+        """Run T tokens after `start` cached positions.
+
+        parents=None: a causal block at positions start..start+T-1. Otherwise a tree: token i
+        sits at start + depth(i) and sees the prefix, itself and its ancestors.
+        Returns (logits (T or 1, V) per `logits` in {"all", "last", "none"}, taps (T, n*H)).
+        """
+        positions = None
+        if parents is not None:
+            positions = mx.array(start + tree_depths(parents), dtype=mx.int32)
+            parents = mx.array(parents, dtype=mx.int32)
+        h = self.embed(tokens[None])
+        tapped = []
+        tap_set = set(self.tap_ids) if taps else set()
+        for i, (layer, c) in enumerate(zip(self.layers, cache)):
+            r = self._attention(
+                layer.self_attn, layer.input_layernorm(h), c, start, positions, parents
+            )
+            h = h + r
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if i in tap_set:
+                tapped.append(h[0])
+        out_taps = None
+        if tapped:
+            # Config order, not layer order.
+            order = {t: j for j, t in enumerate(sorted(tap_set))}
+            out_taps = mx.concatenate([tapped[order[t]] for t in self.tap_ids], axis=-1)
+        if logits == "none":
+            return None, out_taps
+        if logits == "last":
+            h = h[:, -1:]
+        return self.lm_head(self.inner.norm(h))[0], out_taps
+
+
+def read_config(path: Path) -> dict:
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.exists():
+        raise DFlashError(f"No config.json in '{path}': is this a model folder?")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise DFlashError(f"'{cfg_path}' is not valid JSON ({e.msg}).") from None
+    return cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg
+
+
+def load_target(path: str | Path) -> Target:
+    """Load a target folder with mlx-lm (quantized or not) and wrap it."""
+    from mlx_lm.utils import load as mlx_load
+
+    path = Path(path)
+    if not path.exists():
+        raise DFlashError(f"Target model folder '{path}' does not exist.")
+    config = read_config(path)
+    model_type = config.get("model_type", "")
+    if model_type not in ARCHITECTURES:
+        supported = ", ".join(sorted(ARCHITECTURES))
+        raise DFlashError(
+            f"Target architecture '{model_type}' is not supported (supported: {supported})."
+        )
+    try:
+        model, tokenizer = mlx_load(str(path))
+    except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
+        raise DFlashError(f"Could not load the target model from '{path}': {e}") from None
+    return Target(model, tokenizer, config)

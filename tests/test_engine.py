@@ -1,0 +1,129 @@
+"""DFlash engine exactness: speculative output equals the target's own greedy decoding.
+
+Compared against mlx-lm's `generate_step` (the independent reference) and our `--mode ar`,
+for tiny random targets of every standard-attention family, in float32.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from factories import TARGET_TYPES, write_tiny_target
+from mlx_lm.generate import generate_step
+from oracle import OracleDrafter, diversify
+
+from mlx_dflash.drafter import DrafterRunner, init_drafter
+from mlx_dflash.drafter_config import DrafterConfig
+from mlx_dflash.engine import GenerationConfig, Session, generate_rounds
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.target import load_target
+
+PROMPT = list(range(3, 43))
+N = 80
+
+
+@pytest.fixture(scope="module", params=TARGET_TYPES)
+def target(request, tmp_path_factory):
+    path = write_tiny_target(tmp_path_factory.mktemp(request.param), request.param)
+    target = load_target(path)
+    diversify(target.model)
+    return target
+
+
+def mlx_lm_greedy(target, prompt, n):
+    greedy = lambda x: mx.argmax(x, axis=-1)  # noqa: E731
+    return [int(t) for t, _ in generate_step(mx.array(prompt), target.model, max_tokens=n, sampler=greedy)]
+
+
+def run(session, prompt, **kw):
+    out, taus = [], []
+    for r in generate_rounds(session, prompt, GenerationConfig(**kw)):
+        out += r.tokens
+        if not r.prefill:
+            taus.append(r.accepted)
+    return out, taus
+
+
+def random_drafter(target, block_size=8, layers=2):
+    cfg = DrafterConfig(
+        hidden_size=target.hidden_size, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=64, vocab_size=target.vocab_size,
+        block_size=block_size, mask_token_id=target.vocab_size - 1,
+        target_layer_ids=[0, target.num_layers - 2], layer_types=["full_attention"] * layers,
+    )
+    target.set_taps(cfg.target_layer_ids)
+    return DrafterRunner(init_drafter(cfg), target)
+
+
+def test_ar_and_random_drafter_match_mlx_lm(target):
+    ref = mlx_lm_greedy(target, PROMPT, N)
+    ar, _ = run(Session(target), PROMPT, max_tokens=N, mode="ar")
+    assert ar == ref
+    out, taus = run(Session(target, random_drafter(target)), PROMPT, max_tokens=N)
+    assert out == ref
+    assert all(1 <= t <= 8 for t in taus)
+
+
+@pytest.mark.parametrize("corrupt", [0.0, 0.15, 0.5, 1.0])
+def test_oracle_drafter_exact_at_every_acceptance_level(target, corrupt):
+    ref = mlx_lm_greedy(target, PROMPT, N)
+    target.set_taps([0, 1])
+    oracle = OracleDrafter(PROMPT + ref, target.vocab_size, block_size=8, corrupt=corrupt, seed=1)
+    out, taus = run(Session(target, oracle), PROMPT, max_tokens=N)
+    assert out == ref
+    if corrupt == 0.0:
+        assert max(taus) == 8 and np.mean(taus) > 7  # full blocks accepted
+    if corrupt == 1.0:
+        assert max(taus) == 1  # nothing accepted: one bonus token per round
+    if corrupt == 0.15:
+        assert 1 < np.mean(taus) < 8 and len(set(taus)) > 2  # partial acceptance
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 7, 8, 9, 23])
+def test_max_tokens_cut_off(target, max_tokens):
+    ref = mlx_lm_greedy(target, PROMPT, N)
+    target.set_taps([0, 1])
+    oracle = OracleDrafter(PROMPT + ref, target.vocab_size, block_size=8)
+    out, taus = run(Session(target, oracle), PROMPT, max_tokens=max_tokens)
+    assert out == ref[:max_tokens]
+
+
+def test_stop_token_inside_accepted_block(target):
+    ref = mlx_lm_greedy(target, PROMPT, N)
+    target.set_taps([0, 1])
+    # A token first produced mid-way through the continuation becomes the stop token.
+    k = next(i for i in range(10, N) if ref[i] not in ref[:i])
+    oracle = OracleDrafter(PROMPT + ref, target.vocab_size, block_size=8)
+    out, _ = run(Session(target, oracle), PROMPT, max_tokens=N, stop_ids=frozenset({ref[k]}))
+    assert out == ref[: k + 1]
+
+
+def test_block_size_option(target):
+    ref = mlx_lm_greedy(target, PROMPT, 40)
+    target.set_taps([0, 1])
+    oracle = OracleDrafter(PROMPT + ref, target.vocab_size, block_size=8)
+    out, taus = run(Session(target, oracle), PROMPT, max_tokens=40, block_size=4)
+    assert out == ref and max(taus) == 4
+    with pytest.raises(DFlashError, match="Block size"):
+        run(Session(target, oracle), PROMPT, max_tokens=4, block_size=9)
+
+
+def test_empty_prompt(target):
+    with pytest.raises(DFlashError, match="empty"):
+        run(Session(target), [], max_tokens=4, mode="ar")
+
+
+def test_session_prefix_reuse(target):
+    """A second call with an extended prompt prefills only the new tokens and stays exact."""
+    ref1 = mlx_lm_greedy(target, PROMPT, 20)
+    target.set_taps([0, 1])
+    prompt2 = PROMPT + ref1 + [5, 6, 7]
+    ref2 = mlx_lm_greedy(target, prompt2, 20)
+    oracle = OracleDrafter(prompt2 + ref2, target.vocab_size, block_size=8, corrupt=0.2)
+    session = Session(target, oracle)
+    out1, _ = run(session, PROMPT, max_tokens=20)
+    assert out1 == ref1
+    rounds = list(generate_rounds(session, prompt2, GenerationConfig(max_tokens=20)))
+    assert rounds[0].prefill_tokens <= 4
+    assert [t for r in rounds for t in r.tokens] == ref2
