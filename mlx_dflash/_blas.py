@@ -38,7 +38,11 @@ def find_openblas() -> str | None:
 def load_openblas() -> str | None:
     """Load OpenBLAS globally on Linux; return its path, or None when absent or disabled."""
     global loaded_blas
-    if loaded_blas or not sys.platform.startswith("linux") or os.environ.get("DFLASH_BLAS") == "off":
+    if (
+        loaded_blas
+        or not sys.platform.startswith("linux")
+        or os.environ.get("DFLASH_BLAS") == "off"
+    ):
         return loaded_blas
     path = find_openblas()
     if path is None:

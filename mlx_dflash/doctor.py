@@ -40,7 +40,10 @@ def report() -> dict[str, str]:
 
     metal = mx.metal.is_available()
     if sys.platform.startswith("linux"):
-        blas = _blas.loaded_blas or "MLX's bundled reference BLAS (slow: apt-get install libopenblas0-pthread)"
+        blas = (
+            _blas.loaded_blas
+            or "MLX's bundled reference BLAS (slow: apt-get install libopenblas0-pthread)"
+        )
     else:
         blas = "Accelerate" if sys.platform == "darwin" else "bundled"
     return {

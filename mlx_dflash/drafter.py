@@ -107,7 +107,7 @@ class DFlashDrafter(nn.Module):
         """Project new target taps (n, n_taps*H) once and append them to every layer's cache."""
         c = self.hidden_norm(self.fc(ctx[None]))
         offset = cache[0].offset
-        for layer, lc in zip(self.layers, cache):
+        for layer, lc in zip(self.layers, cache, strict=True):
             k, v = layer.self_attn.project_kv(c, offset)
             lc.append(k, v)
 
@@ -115,7 +115,7 @@ class DFlashDrafter(nn.Module):
         """Hidden states (bs, H) for a block at positions start.., over the cached context."""
         h = block_embeds[None]
         bs = h.shape[1]
-        for i, (layer, lc) in enumerate(zip(self.layers, cache)):
+        for i, (layer, lc) in enumerate(zip(self.layers, cache, strict=True)):
             ctx_k = lc.keys[..., : lc.offset, :] if lc.keys is not None else _empty_kv(layer, h)
             ctx_v = lc.values[..., : lc.offset, :] if lc.values is not None else _empty_kv(layer, h)
             mask = self.block_mask(i, start, lc.offset, bs)
@@ -205,8 +205,7 @@ def load_drafter(path: str | Path, num_target_layers: int | None = None) -> DFla
             bits=quant["bits"],
             class_predicate=lambda p, m: isinstance(m, nn.Linear) and f"{p}.scales" in weights,
         )
-    else:
-        check_drafter_weights(cfg, weights)
+    check_drafter_weights(cfg, weights, quant)
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:

@@ -84,7 +84,9 @@ class DrafterConfig:
         if block_size is None or int(block_size) < 2:
             raise DFlashError(f"The drafter's block size must be at least 2, not {block_size}.")
 
-        n_target = num_target_layers or cfg.get("num_target_layers") or dcfg.get("num_target_layers")
+        n_target = (
+            num_target_layers or cfg.get("num_target_layers") or dcfg.get("num_target_layers")
+        )
         taps = dcfg.get("target_layer_ids", cfg.get("target_layer_ids"))
         if taps is None:
             if n_target is None:
@@ -98,12 +100,17 @@ class DrafterConfig:
 
         mask_token_id = dcfg.get("mask_token_id", cfg.get("mask_token_id"))
         if mask_token_id is None:
-            raise DFlashError("The drafter config has no mask_token_id (dflash_config.mask_token_id).")
+            raise DFlashError(
+                "The drafter config has no mask_token_id (dflash_config.mask_token_id)."
+            )
 
         rope_params = cfg.get("rope_parameters") or {}
         rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         rope_scaling = cfg.get("rope_scaling")
-        if rope_scaling is None and rope_params.get("rope_type", "default") not in ("default", None):
+        if rope_scaling is None and rope_params.get("rope_type", "default") not in (
+            "default",
+            None,
+        ):
             rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
 
         layer_types = cfg.get("layer_types") or ["full_attention"] * n_layers

@@ -150,9 +150,7 @@ def ar_round(session: Session, last: int, sampling, rng) -> Round:
     return Round([tok], 1, 0, t_verify=time.perf_counter() - t0)
 
 
-def generate_rounds(
-    session: Session, prompt: list[int], cfg: GenerationConfig
-) -> Iterator[Round]:
+def generate_rounds(session: Session, prompt: list[int], cfg: GenerationConfig) -> Iterator[Round]:
     """Yield one Round per decoding step; the tokens across rounds are the output."""
     if not prompt:
         raise DFlashError("The prompt is empty.")

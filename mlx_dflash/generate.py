@@ -59,7 +59,9 @@ class Stats:
         return dict(sorted(Counter(self.taus).items()))
 
     def to_dict(self) -> dict:
-        gen_tps = (self.tokens - 1) / self.t_decode if self.t_decode > 0 and self.tokens > 1 else 0.0
+        gen_tps = (
+            (self.tokens - 1) / self.t_decode if self.t_decode > 0 and self.tokens > 1 else 0.0
+        )
         return {
             "prompt_tokens": self.prompt_tokens,
             "prompt_tps": self.prompt_tokens / self.t_prefill if self.t_prefill else 0.0,
@@ -102,9 +104,7 @@ def stop_ids(tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def stream_generate(
-    session: Session, prompt: list[int], cfg: GenerationConfig
-) -> Iterator[Chunk]:
+def stream_generate(session: Session, prompt: list[int], cfg: GenerationConfig) -> Iterator[Chunk]:
     """Decode rounds into text as tokens are accepted (stop tokens are not printed)."""
     detok = session.target.tokenizer.detokenizer
     detok.reset()
@@ -169,7 +169,9 @@ def load_pair(model: str | None, drafter: str | None, mode: str = "dflash"):
 
 def generate_command(
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text, or '-' to read stdin."),
-    model: str = typer.Option(None, "--model", "-m", help="Target model folder (default: embedded stories260K)."),
+    model: str = typer.Option(
+        None, "--model", "-m", help="Target model folder (default: embedded stories260K)."
+    ),
     drafter: str = typer.Option(None, "--drafter", "-d", help="DFlash drafter folder."),
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", min=1),
     temp: float = typer.Option(0.0, "--temp", min=0.0, help="0 = greedy."),
@@ -222,7 +224,9 @@ def parse_budget(budget: str | int) -> int | str:
     try:
         b = int(budget)
     except (TypeError, ValueError):
-        raise DFlashError(f"--budget must be a positive integer or 'auto', not '{budget}'.") from None
+        raise DFlashError(
+            f"--budget must be a positive integer or 'auto', not '{budget}'."
+        ) from None
     if b < 1:
         raise DFlashError(f"--budget must be at least 1, not {b}.")
     return b

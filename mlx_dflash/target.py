@@ -134,7 +134,7 @@ class Target:
         h = self.embed(tokens[None])
         tapped = []
         tap_set = set(self.tap_ids) if taps else set()
-        for i, (layer, c) in enumerate(zip(self.layers, cache)):
+        for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
             r = self._attention(
                 layer.self_attn, layer.input_layernorm(h), c, start, positions, parents
             )

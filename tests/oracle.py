@@ -38,7 +38,11 @@ class OracleDrafter:
         logits = self.rng.normal(0, 0.1, size=(n, self.vocab_size)).astype(np.float32)
         for k in range(n):
             pos = start + 1 + k
-            true = self.truth[pos] if pos < len(self.truth) else int(self.rng.integers(self.vocab_size))
+            true = (
+                self.truth[pos]
+                if pos < len(self.truth)
+                else int(self.rng.integers(self.vocab_size))
+            )
             wrong = int(self.rng.integers(self.vocab_size - 1))
             wrong += wrong >= true
             if self.rng.random() < self.corrupt:
@@ -59,7 +63,9 @@ def diversify(model, gain: float = 3.0, seed: int = 0) -> None:
     new = []
     for k, v in tree_flatten(model.parameters()):
         if v.ndim == 1:
-            new.append((k, 0.1 * mx.random.normal(v.shape) if k.endswith("bias") else mx.ones_like(v)))
+            new.append(
+                (k, 0.1 * mx.random.normal(v.shape) if k.endswith("bias") else mx.ones_like(v))
+            )
         elif "embed" in k:
             new.append((k, mx.random.normal(v.shape).astype(v.dtype)))
         elif v.dtype in (mx.float32, mx.float16, mx.bfloat16):

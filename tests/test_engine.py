@@ -33,7 +33,10 @@ def target(request, tmp_path_factory):
 
 def mlx_lm_greedy(target, prompt, n):
     greedy = lambda x: mx.argmax(x, axis=-1)  # noqa: E731
-    return [int(t) for t, _ in generate_step(mx.array(prompt), target.model, max_tokens=n, sampler=greedy)]
+    return [
+        int(t)
+        for t, _ in generate_step(mx.array(prompt), target.model, max_tokens=n, sampler=greedy)
+    ]
 
 
 def run(session, prompt, **kw):
@@ -47,10 +50,17 @@ def run(session, prompt, **kw):
 
 def random_drafter(target, block_size=8, layers=2):
     cfg = DrafterConfig(
-        hidden_size=target.hidden_size, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, intermediate_size=64, vocab_size=target.vocab_size,
-        block_size=block_size, mask_token_id=target.vocab_size - 1,
-        target_layer_ids=[0, target.num_layers - 2], layer_types=["full_attention"] * layers,
+        hidden_size=target.hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=64,
+        vocab_size=target.vocab_size,
+        block_size=block_size,
+        mask_token_id=target.vocab_size - 1,
+        target_layer_ids=[0, target.num_layers - 2],
+        layer_types=["full_attention"] * layers,
     )
     target.set_taps(cfg.target_layer_ids)
     return DrafterRunner(init_drafter(cfg), target)

@@ -1,0 +1,128 @@
+"""Sampling is lossless: emitted tokens follow the target's distribution (chi-square tests).
+
+Every draft source is legitimate for speculative sampling, so a weak random drafter is used:
+its proposals are accepted sometimes and rejected often, exercising both branches.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from factories import load_module, tiny_target_config
+from oracle import diversify
+from scipy.stats import chisquare
+
+from mlx_dflash.drafter import DrafterRunner, init_drafter
+from mlx_dflash.drafter_config import DrafterConfig
+from mlx_dflash.engine import GenerationConfig, Session, generate_rounds
+from mlx_dflash.sampling import SamplingParams, accept_speculative, token_probs
+from mlx_dflash.target import Target
+
+V = 24
+PROMPT = [3, 9, 4, 17, 5]
+
+
+def chi2_pvalue(samples: np.ndarray, expected_p: np.ndarray) -> float:
+    """Chi-square goodness of fit, pooling cells whose expected count is under 5."""
+    n = len(samples)
+    counts = np.bincount(samples, minlength=len(expected_p)).astype(float)
+    exp = expected_p * n
+    big, small = exp >= 5, (exp > 0) & (exp < 5)
+    obs_b, exp_b = list(counts[big]), list(exp[big])
+    if small.any():
+        obs_b.append(counts[small].sum())
+        exp_b.append(exp[small].sum())
+    obs_b, exp_b = np.array(obs_b), np.array(exp_b)
+    assert counts[expected_p == 0].sum() == 0, "emitted a token the target can never produce"
+    return chisquare(obs_b, exp_b * obs_b.sum() / exp_b.sum()).pvalue
+
+
+def test_speculative_acceptance_rule_marginal():
+    rng = np.random.default_rng(0)
+    p = rng.dirichlet(np.ones(V) * 0.5, size=3)
+    q = rng.dirichlet(np.ones(V) * 0.5, size=2)
+    firsts = []
+    for _ in range(20000):
+        drafts = np.array([rng.choice(V, p=q[0]), rng.choice(V, p=q[1])])
+        a, bonus = accept_speculative(drafts, p, q, rng)
+        firsts.append(drafts[0] if a >= 1 else bonus)
+    assert chi2_pvalue(np.array(firsts), p[0]) > 1e-3
+
+
+def test_token_probs_matches_mlx_lm_sampler_support():
+    """top-p / top-k pick the candidate set on the untempered distribution, like mlx-lm."""
+    from mlx_lm.sample_utils import apply_top_k, apply_top_p
+
+    logits = mx.array(np.random.default_rng(1).normal(size=(1, V)).astype(np.float32) * 2)
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    for top_p, top_k in [(0.8, 0), (1.0, 5), (0.9, 7)]:
+        ref = lp
+        if top_p < 1:
+            ref = apply_top_p(ref, top_p)
+        if top_k:
+            ref = apply_top_k(ref, top_k)
+        ref_p = np.array(mx.softmax(ref / 0.7, axis=-1))[0]
+        ours = token_probs(logits, SamplingParams(0.7, top_p, top_k))[0]
+        np.testing.assert_allclose(ours, ref_p, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def small_target():
+    cfg = tiny_target_config("llama", vocab_size=V, num_hidden_layers=2)
+    mod = load_module("llama")
+    model = mod.Model(mod.ModelArgs.from_dict(cfg))
+    diversify(model, gain=1.0, seed=3)
+    return Target(model, None, cfg)
+
+
+def exact_marginals(target, sampling, depth):
+    """Marginal distribution of generated tokens 1..depth, by enumerating every prefix."""
+    marg, prefixes, weights = [], [()], np.array([1.0])
+    for _ in range(depth):
+        batch = mx.array([PROMPT + list(pre) for pre in prefixes])
+        logits = target.model(batch)[:, -1, :]
+        cond = token_probs(logits, sampling)  # (len(prefixes), V)
+        joint = weights[:, None] * cond
+        marg.append(joint.sum(axis=0))
+        prefixes = [pre + (t,) for pre, t in itertools.product(prefixes, range(V))]
+        weights = joint.reshape(-1)
+    return marg
+
+
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(1.0), SamplingParams(0.7, 0.9, 0), SamplingParams(1.3, 1.0, 6)]
+)
+def test_emitted_distribution_matches_target(small_target, sampling):
+    target = small_target
+    cfg = DrafterConfig(
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=64,
+        vocab_size=V,
+        block_size=4,
+        mask_token_id=V - 1,
+        target_layer_ids=[0, 1],
+        layer_types=["full_attention"],
+    )
+    target.set_taps(cfg.target_layer_ids)
+    drafter = init_drafter(cfg, seed=5)
+    depth = 3
+    samples, taus = [], []
+    for seed in range(1500):
+        session = Session(target, DrafterRunner(drafter, target))
+        gen = GenerationConfig(max_tokens=depth, sampling=sampling, seed=seed, block_size=4)
+        out = []
+        for r in generate_rounds(session, PROMPT, gen):
+            out += r.tokens
+            taus += [] if r.prefill else [r.accepted]
+        samples.append(out)
+    samples = np.array(samples)
+    assert 1.0 < np.mean(taus) < 3.0, "both acceptance and rejection must be exercised"
+    for k, expected in enumerate(exact_marginals(target, sampling, depth)):
+        assert chi2_pvalue(samples[:, k], expected) > 1e-3, f"token {k + 1} is biased"
