@@ -1,0 +1,36 @@
+"""Shared pytest setup: repo root importable (for `convert/`), the `../shared` material."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# Before any test module imports mlx, so OpenBLAS takes over float32 matmul (mlx_dflash/_blas.py).
+import mlx_dflash  # noqa: E402, F401
+
+
+@pytest.fixture(scope="session")
+def SHARED() -> Path:
+    """The read-only `shared/` folder next to the repo (CI sees it at ../shared), or $DFLASH_SHARED."""
+    return Path(os.environ.get("DFLASH_SHARED", ROOT / ".." / "shared")).resolve()
+
+
+@pytest.fixture(scope="session")
+def shared_file(SHARED: Path) -> Callable[[str], Path]:
+    """`shared_file("models/x.bin")`: the path under SHARED, or skip the test saying what's missing."""
+
+    def get(relative: str) -> Path:
+        path = SHARED / relative
+        if not path.exists():
+            pytest.skip(f"needs {path} (the project's shared/ material), which is absent")
+        return path
+
+    return get
