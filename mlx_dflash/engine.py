@@ -30,6 +30,7 @@ class GenerationConfig:
     mode: str = "dflash"
     block_size: int | None = None  # None: the drafter's
     budget: int | str = 16  # DDTree node budget, or "auto"
+    branching: int | None = None  # DDTree: max children per node (None: the budget; 1: a chain)
     prefill_chunk: int = 512
     stop_ids: frozenset[int] = frozenset()
 

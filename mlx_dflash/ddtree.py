@@ -1,0 +1,245 @@
+"""DDTree: a draft tree from one drafter pass, verified in one target pass (algorithm.md §4).
+
+The drafter's per-slot distributions are treated as independent; the best tree of B nodes under
+that factorised distribution is the set of the B most probable prefixes, which a best-first
+heap over (depth, rank) produces in non-increasing probability. Because the B-node tree is the
+first B pops of any larger run, one heap run also gives the expected acceptance of every
+smaller budget, which is what `--budget auto` trades against measured verify cost.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import DFlashError
+from .sampling import draw, token_probs
+
+AUTO_MAX_BUDGET = 64
+
+
+@dataclass
+class Tree:
+    """Nodes in creation order; index 0 is the root (the last verified token)."""
+
+    tokens: np.ndarray  # (T,) int
+    parents: np.ndarray  # (T,) int, parents[0] = -1
+    depths: np.ndarray  # (T,) int, root 0
+    log_probs: np.ndarray  # (T,) path log-probability under the drafter, root 0
+
+    def children(self) -> list[dict[int, int]]:
+        """Per node: token -> child index (siblings carry distinct tokens)."""
+        kids: list[dict[int, int]] = [{} for _ in self.tokens]
+        for i in range(1, len(self.tokens)):
+            kids[self.parents[i]][int(self.tokens[i])] = i
+        return kids
+
+
+def top_candidates(logits: mx.array, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per depth, the k most likely tokens and their log-probabilities, best first."""
+    logits = logits.astype(mx.float32)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    k = min(k, logits.shape[-1])
+    idx = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k] if k < logits.shape[-1] else None
+    if idx is None:
+        idx = mx.broadcast_to(mx.arange(logits.shape[-1]), logprobs.shape)
+    vals = mx.take_along_axis(logprobs, idx, axis=-1)
+    order = mx.argsort(-vals, axis=-1)
+    return np.array(mx.take_along_axis(idx, order, axis=-1)), np.array(
+        mx.take_along_axis(vals, order, axis=-1), dtype=np.float64
+    )
+
+
+def build_tree(root: int, tokens: np.ndarray, lp: np.ndarray, budget: int) -> Tree:
+    """Best-first heap over ranks: the `budget` most probable prefixes, parents first.
+
+    tokens/lp: (depth, K) candidate tokens and log-probs per depth, sorted best first.
+    """
+    depth_max, k = lp.shape
+    out_tok, out_par, out_dep, out_lp = [root], [-1], [0], [0.0]
+    heap = [(-lp[0, 0], 0, 0, 0)] if depth_max and budget > 0 else []  # (-score, d, r, parent)
+    while heap and len(out_tok) <= budget:
+        neg, d, r, parent = heapq.heappop(heap)
+        node = len(out_tok)
+        out_tok.append(int(tokens[d, r]))
+        out_par.append(parent)
+        out_dep.append(d + 1)
+        out_lp.append(-neg)
+        if r + 1 < k:
+            heapq.heappush(heap, (neg + lp[d, r] - lp[d, r + 1], d, r + 1, parent))
+        if d + 1 < depth_max:
+            heapq.heappush(heap, (neg - lp[d + 1, 0], d + 1, 0, node))
+    return Tree(
+        np.array(out_tok, dtype=np.int64),
+        np.array(out_par, dtype=np.int64),
+        np.array(out_dep, dtype=np.int64),
+        np.array(out_lp, dtype=np.float64),
+    )
+
+
+def expected_tokens(tree: Tree) -> np.ndarray:
+    """E[tokens emitted] for budgets 0..len-1 under the drafter: 1 + sum of path probabilities."""
+    return 1.0 + np.concatenate([[0.0], np.cumsum(np.exp(tree.log_probs[1:]))])
+
+
+def walk(tree: Tree, logits: mx.array, sampling, rng) -> tuple[list[int], int]:
+    """Follow the target through the tree; return (accepted node path incl. root, bonus token).
+
+    Greedy follows the argmax. Sampling draws one token from the target at each visited node
+    and moves to the child holding it: every emitted token is a target sample (lossless).
+    """
+    kids = tree.children()
+    path = [0]
+    if sampling.greedy:
+        choice = np.array(mx.argmax(logits, axis=-1))
+        while True:
+            nxt = kids[path[-1]].get(int(choice[path[-1]]))
+            if nxt is None:
+                return path, int(choice[path[-1]])
+            path.append(nxt)
+    while True:
+        cur = path[-1]
+        # Transform only the rows the walk visits.
+        x = draw(token_probs(logits[cur : cur + 1], sampling)[0], rng)
+        nxt = kids[cur].get(x)
+        if nxt is None:
+            return path, x
+        path.append(nxt)
+
+
+class VerifyProfile:
+    """Measured target verify time as a function of tree size, cached per model and machine."""
+
+    SIZES = (1, 2, 4, 8, 16, 32, 48, 65)
+
+    def __init__(self, sizes, seconds):
+        self.sizes = np.asarray(sizes, dtype=np.float64)
+        self.seconds = np.asarray(seconds, dtype=np.float64)
+
+    def cost(self, n_tokens) -> np.ndarray:
+        return np.interp(n_tokens, self.sizes, self.seconds)
+
+    @classmethod
+    def measure(cls, target, context: int = 256, repeats: int = 3) -> VerifyProfile:
+        """Time chain-shaped verifies of each size after `context` cached tokens."""
+        cache = target.make_cache()
+        ids = mx.array(np.arange(context) % max(2, target.vocab_size - 1), dtype=mx.int32)
+        _, _ = target.forward(ids, cache, 0, logits="last", taps=False)
+        mx.eval([c.state for c in cache])
+        secs = []
+        for n in cls.SIZES:
+            parents = np.arange(-1, n - 1)
+            best = float("inf")
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                logits, taps = target.forward(ids[:n], cache, context, parents=parents)
+                mx.eval(logits, taps)
+                best = min(best, time.perf_counter() - t0)
+                for c in cache:
+                    c.trim(context)
+            secs.append(best)
+        return cls(cls.SIZES, secs)
+
+    @classmethod
+    def load_or_measure(cls, target, key: str) -> VerifyProfile:
+        root = Path(os.environ.get("DFLASH_MLX_CACHE", Path.home() / ".cache" / "dflash-mlx"))
+        path = root / "profiles" / f"{key}.json"
+        if path.exists():
+            try:
+                d = json.loads(path.read_text())
+                return cls(d["sizes"], d["seconds"])
+            except (ValueError, KeyError):
+                pass  # a damaged profile is simply measured again
+        prof = cls.measure(target)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"sizes": list(prof.sizes), "seconds": list(prof.seconds)}))
+        except OSError:
+            pass
+        return prof
+
+
+def profile_key(target) -> str:
+    device = "gpu" if mx.metal.is_available() else "cpu"
+    ident = json.dumps(target.config, sort_keys=True, default=str)
+    h = hashlib.sha1(ident.encode()).hexdigest()[:12]
+    return f"{target.model_type}-{h}-{platform.machine()}-{device}"
+
+
+def choose_budget(tree: Tree, profile: VerifyProfile, t_fixed: float) -> int:
+    """The budget that maximises expected tokens per second for this round."""
+    b = np.arange(len(tree.tokens))
+    rate = expected_tokens(tree) / (t_fixed + profile.cost(b + 1))
+    return int(np.argmax(rate))
+
+
+class DDTree:
+    """Round logic for `--mode ddtree`; holds the auto-budget profile between rounds."""
+
+    def __init__(self, session, cfg):
+        self.session = session
+        self.sampling = cfg.sampling
+        self.budget = cfg.budget
+        self.branching = getattr(cfg, "branching", None)
+        if self.budget != "auto" and (not isinstance(self.budget, int) or self.budget < 1):
+            raise DFlashError(
+                f"The DDTree budget must be a positive integer or 'auto', not {self.budget}."
+            )
+        self.profile = None
+        if self.budget == "auto":
+            self.profile = VerifyProfile.load_or_measure(
+                session.target, profile_key(session.target)
+            )
+        self.t_fixed = 0.0  # running estimate of draft + bookkeeping time per round
+        self.budgets: list[int] = []
+
+    def round(self, last: int, n: int, rng):
+        from .engine import Round
+
+        session, target, drafter = self.session, self.session.target, self.session.drafter
+        start = len(session.tokens)
+        t0 = time.perf_counter()
+        logits_q = drafter.propose(last, start, n)
+        max_b = AUTO_MAX_BUDGET if self.budget == "auto" else self.budget
+        k = min(self.branching or max_b, max_b)
+        cand_tok, cand_lp = top_candidates(logits_q, k)
+        tree = build_tree(last, cand_tok, cand_lp, max_b)
+        if self.profile is not None:
+            b = choose_budget(tree, self.profile, self.t_fixed)
+            tree = Tree(
+                tree.tokens[: b + 1],
+                tree.parents[: b + 1],
+                tree.depths[: b + 1],
+                tree.log_probs[: b + 1],
+            )
+        self.budgets.append(len(tree.tokens) - 1)
+        t1 = time.perf_counter()
+        logits, taps = target.forward(
+            mx.array(tree.tokens.astype(np.int32)), session.cache, start, parents=tree.parents
+        )
+        mx.eval(logits, taps)
+        t2 = time.perf_counter()
+        path, bonus = walk(tree, logits, self.sampling, rng)
+        for c in session.cache:
+            c.compact(start, path)
+        session.tokens.extend(int(tree.tokens[i]) for i in path)
+        drafter.add_context(taps[mx.array(path)])
+        out = [int(tree.tokens[i]) for i in path[1:]] + [bonus]
+        t3 = time.perf_counter()
+        self.t_fixed = (
+            0.8 * self.t_fixed + 0.2 * ((t1 - t0) + (t3 - t2))
+            if self.t_fixed
+            else (t1 - t0) + (t3 - t2)
+        )
+        return Round(
+            out, len(path), len(tree.tokens) - 1, t_draft=t1 - t0, t_verify=t2 - t1, t_other=t3 - t2
+        )
