@@ -34,3 +34,22 @@ def shared_file(SHARED: Path) -> Callable[[str], Path]:
         return path
 
     return get
+
+
+@pytest.fixture
+def run_cli(monkeypatch, capsys) -> Callable[..., tuple[int, str, str]]:
+    """Run `dflash-mlx ARGS` in-process through cli.main: (exit code, stdout, stderr)."""
+
+    def run(*args) -> tuple[int, str, str]:
+        from mlx_dflash import cli
+
+        monkeypatch.setattr(sys, "argv", ["dflash-mlx", *map(str, args)])
+        code = 0
+        try:
+            cli.main()
+        except SystemExit as e:
+            code = e.code or 0
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    return run

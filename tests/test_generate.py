@@ -1,0 +1,135 @@
+"""`dflash-mlx generate` end to end, the embedded default pair, and every bad-input path."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from factories import drafter_config_dict, write_drafter_checkpoint, write_tiny_target
+from mlx_lm.generate import generate_step
+
+from mlx_dflash.engine import GenerationConfig, Session, generate_rounds
+from mlx_dflash.generate import DEFAULT_DRAFTER, DEFAULT_TARGET, load_pair
+
+STORY = "Once upon a time"
+
+
+def one_error_line(code: int, err: str) -> str:
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_default_pair_is_shipped():
+    assert (DEFAULT_TARGET / "config.json").exists() and (DEFAULT_DRAFTER / "config.json").exists()
+
+
+@pytest.mark.parametrize("mode", ["dflash", "ddtree", "ar"])
+def test_generate_default_pair_matches_mlx_lm(run_cli, mode):
+    """No model arguments: the embedded stories260K pair, greedy, equals mlx-lm's decoding."""
+    target, _ = load_pair(None, None)
+    ids = target.tokenizer.encode(STORY)
+    greedy = lambda x: mx.argmax(x, axis=-1)  # noqa: E731
+    ref = [
+        int(t) for t, _ in generate_step(mx.array(ids), target.model, max_tokens=60, sampler=greedy)
+    ]
+    code, out, err = run_cli("generate", "--prompt", STORY, "-n", "60", "--mode", mode, "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["text"] == target.tokenizer.decode(ref)
+    assert res["generated_tokens"] == 60 and res["finish_reason"] == "length"
+    assert "little girl" in res["text"]
+    assert sum(int(k) * v for k, v in res["tau_histogram"].items()) == 60 - 1
+
+
+def test_generate_streams_text_and_stats(run_cli):
+    code, out, err = run_cli("generate", "--prompt", STORY, "-n", "20")
+    assert code == 0 and out.startswith(", there was")
+    assert "tok/s" in err and "tau" in err
+
+
+def test_stories260k_exact_over_many_rounds():
+    """The real pretrained model, a long prompt, DFlash and DDTree vs mlx-lm greedy, 200 tokens."""
+    target, drafter = load_pair(None, None)
+    ids = target.tokenizer.encode(STORY + ", there was a little dog named Max. Max liked to run.")
+    greedy = lambda x: mx.argmax(x, axis=-1)  # noqa: E731
+    ref = [
+        int(t)
+        for t, _ in generate_step(mx.array(ids), target.model, max_tokens=200, sampler=greedy)
+    ]
+    for mode, budget in (("dflash", 16), ("ddtree", 4), ("ddtree", 32)):
+        drafter.reset()
+        out = []
+        cfg = GenerationConfig(max_tokens=200, mode=mode, budget=budget)
+        for r in generate_rounds(Session(target, drafter), ids, cfg):
+            out += r.tokens
+        assert out == ref, mode
+
+
+@pytest.fixture(scope="module")
+def other_target(tmp_path_factory):
+    return write_tiny_target(tmp_path_factory.mktemp("llama"), "llama")
+
+
+def test_bad_inputs_end_in_one_sentence(run_cli, tmp_path, other_target):
+    cfg = json.loads((other_target / "config.json").read_text())
+    wrong = write_drafter_checkpoint(
+        tmp_path / "wrong-drafter", drafter_config_dict("dflash_config_block_size", cfg)
+    )
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_text((DEFAULT_DRAFTER / "config.json").read_text())
+    (corrupt / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    cases = {
+        ("--prompt", "   "): "empty",
+        ("--prompt", STORY, "--drafter", wrong): "vocabulary",
+        ("--prompt", STORY, "--model", tmp_path / "nope"): "does not exist",
+        ("--prompt", STORY, "--block-size", "17"): "Block size",
+        ("--prompt", STORY, "--mode", "beam"): "Unknown mode",
+        ("--prompt", STORY, "--drafter", corrupt): "model.safetensors",
+        ("--prompt", STORY, "--mode", "ddtree", "--budget", "x"): "--budget",
+        ("--prompt", STORY, "--model", other_target, "--drafter", DEFAULT_DRAFTER): "vocabulary",
+    }
+    for args, needle in cases.items():
+        code, _, err = run_cli("generate", *args)
+        assert needle in one_error_line(code, err), (args, err)
+
+
+def test_unknown_flag_is_a_usage_error(run_cli):
+    code, _, err = run_cli("generate", "--prompt", STORY, "--frobnicate")
+    assert code == 2 and "No such option" in err and "Traceback" not in err
+
+
+def test_numerics_long_context_verify_vs_single_step(tmp_path):
+    """At 2K+ context, a 16-token verify (causal block and tree) matches 16 one-token steps."""
+    from oracle import diversify
+
+    from mlx_dflash.target import load_target
+
+    target = load_target(write_tiny_target(tmp_path / "t", "qwen3", max_position_embeddings=8192))
+    diversify(target.model)
+    target.set_taps([1, 3])
+    rng = np.random.default_rng(0)
+    prefix = mx.array(rng.integers(3, 256, size=2300))
+    block = rng.integers(3, 256, size=16)
+    cache = target.make_cache()
+    target.forward(prefix, cache, 0, logits="none", taps=False)
+    p = len(prefix)
+    v_logits, v_taps = target.forward(mx.array(block), cache, p)
+    for c in cache:
+        c.trim(p)
+    t_logits, _ = target.forward(mx.array(block), cache, p, parents=np.arange(-1, 15))
+    for c in cache:
+        c.trim(p)
+    step_logits = []
+    for i, tok in enumerate(block):
+        lg, _ = target.forward(mx.array([int(tok)]), cache, p + i)
+        step_logits.append(np.array(lg[0]))
+    step_logits = np.stack(step_logits)
+    scale = np.abs(step_logits).max()
+    np.testing.assert_allclose(np.array(v_logits), step_logits, atol=1e-4 * scale)
+    np.testing.assert_allclose(np.array(t_logits), step_logits, atol=1e-4 * scale)
+    assert (np.array(v_logits).argmax(-1) == step_logits.argmax(-1)).all()
