@@ -39,6 +39,9 @@ class KVCache:
         self.offset = needed
         return self.keys[..., :needed, :], self.values[..., :needed, :]
 
+    def rewindable_to(self, length: int) -> bool:
+        return True
+
     def trim(self, length: int) -> None:
         """Forget every row from `length` on (rejected drafts)."""
         self.offset = max(0, min(self.offset, length))
@@ -55,5 +58,5 @@ class KVCache:
         self.offset = start + n
 
     @property
-    def state(self) -> list[mx.array]:
+    def state_arrays(self) -> list[mx.array]:
         return [] if self.keys is None else [self.keys, self.values]

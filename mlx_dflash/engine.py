@@ -66,6 +66,8 @@ class Session:
         limit = min(len(self.tokens), len(prompt) - 1)
         while n < limit and self.tokens[n] == prompt[n]:
             n += 1
+        if not all(c.rewindable_to(n) for c in self.cache):
+            n = 0  # recurrent layers cannot rewind arbitrarily: start over
         for c in self.cache:
             c.trim(n)
         if self.drafter is not None:
@@ -95,11 +97,16 @@ def prefill(session: Session, prompt: list[int], cfg: GenerationConfig) -> tuple
         chunk = new[i : i + cfg.prefill_chunk]
         start = len(session.tokens)
         logits, taps = target.forward(
-            mx.array(chunk), session.cache, start, logits="last", taps=drafter is not None
+            mx.array(chunk),
+            session.cache,
+            start,
+            logits="last",
+            taps=drafter is not None,
+            rewindable=False,
         )
         if drafter is not None:
             drafter.add_context(taps)
-        _sync((logits, [c.state for c in session.cache]))
+        _sync((logits, [c.state_arrays for c in session.cache]))
         session.tokens.extend(chunk)
     dt = time.perf_counter() - t0
     return logits, Round([], 0, 0, prefill=True, prefill_tokens=len(new), t_prefill=dt)
@@ -145,7 +152,9 @@ def ar_round(session: Session, last: int, sampling, rng) -> Round:
     """Plain decoding through the same adapter: the baseline."""
     t0 = time.perf_counter()
     start = len(session.tokens)
-    logits, _ = session.target.forward(mx.array([last]), session.cache, start, taps=False)
+    logits, _ = session.target.forward(
+        mx.array([last]), session.cache, start, taps=False, rewindable=False
+    )
     tok = _pick(logits, sampling, rng)
     session.tokens.append(last)
     return Round([tok], 1, 0, t_verify=time.perf_counter() - t0)

@@ -20,6 +20,7 @@ import numpy as np
 
 from .cache import KVCache
 from .errors import DFlashError
+from .hybrid import RecurrentCache, gdn_forward
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class AttentionSpec:
     """What the standard-attention families do differently."""
 
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    gated: bool = False  # q_proj also yields a per-head output gate (Qwen3.5 / Qwen3-Next)
 
 
 ARCHITECTURES: dict[str, AttentionSpec] = {
@@ -35,7 +37,13 @@ ARCHITECTURES: dict[str, AttentionSpec] = {
     "qwen2": AttentionSpec(),
     "qwen3": AttentionSpec(qk_norm=True),
     "qwen3_moe": AttentionSpec(qk_norm=True),
+    # Hybrid: 3 of 4 layers are Gated DeltaNet (mlx_dflash/hybrid.py); partial RoPE comes
+    # with the rope module mlx-lm builds.
+    "qwen3_5": AttentionSpec(qk_norm=True, gated=True),
+    "qwen3_5_moe": AttentionSpec(qk_norm=True, gated=True),
+    "qwen3_next": AttentionSpec(qk_norm=True, gated=True),
 }
+ALIASES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
 
 
 def tree_depths(parents: np.ndarray) -> np.ndarray:
@@ -53,7 +61,7 @@ class Target:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
-        self.model_type = config.get("model_type", "")
+        self.model_type = ALIASES.get(config.get("model_type", ""), config.get("model_type", ""))
         if self.model_type not in ARCHITECTURES:
             supported = ", ".join(sorted(ARCHITECTURES))
             raise DFlashError(
@@ -76,23 +84,30 @@ class Target:
                 )
         self.tap_ids = tap_ids
 
-    def make_cache(self) -> list[KVCache]:
-        return [KVCache() for _ in self.layers]
+    def make_cache(self) -> list:
+        return [RecurrentCache() if _is_linear(layer) else KVCache() for layer in self.layers]
 
     def embed(self, tokens: mx.array) -> mx.array:
         return self.inner.embed_tokens(tokens)
 
     def lm_head(self, h: mx.array) -> mx.array:
-        head = getattr(self.model, "lm_head", None)
+        owner = getattr(self.model, "language_model", self.model)
+        head = getattr(owner, "lm_head", None)
         if head is not None:
             return head(h)
         return self.inner.embed_tokens.as_linear(h)
 
     def _attention(self, attn, x, cache: KVCache, start: int, positions, parents):
         T = x.shape[1]
-        q = attn.q_proj(x).reshape(1, T, attn.n_heads, -1)
-        k = attn.k_proj(x).reshape(1, T, attn.n_kv_heads, -1)
-        v = attn.v_proj(x).reshape(1, T, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        n_heads = getattr(attn, "n_heads", None) or attn.num_attention_heads
+        n_kv = getattr(attn, "n_kv_heads", None) or attn.num_key_value_heads
+        q = attn.q_proj(x).reshape(1, T, n_heads, -1)
+        gate = None
+        if self.spec.gated:
+            q, gate = mx.split(q, 2, axis=-1)
+            gate = gate.reshape(1, T, -1)
+        k = attn.k_proj(x).reshape(1, T, n_kv, -1)
+        v = attn.v_proj(x).reshape(1, T, n_kv, -1).transpose(0, 2, 1, 3)
         if self.spec.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         if positions is None:
@@ -112,7 +127,10 @@ class Target:
             except ImportError:  # TEMP until the kernel module lands
                 tree_attention = _tmp_tree_attention
             out = tree_attention(q, keys, values, parents, attn.scale)
-        return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, T, -1))
+        out = out.transpose(0, 2, 1, 3).reshape(1, T, -1)
+        if gate is not None:
+            out = out * mx.sigmoid(gate)
+        return attn.o_proj(out)
 
     def forward(
         self,
@@ -122,14 +140,16 @@ class Target:
         parents: np.ndarray | None = None,
         logits: str = "all",
         taps: bool = True,
+        rewindable: bool = True,
     ) -> tuple[mx.array | None, mx.array | None]:
         """Run T tokens after `start` cached positions.
 
         parents=None: a causal block at positions start..start+T-1. Otherwise a tree: token i
         sits at start + depth(i) and sees the prefix, itself and its ancestors.
         Returns (logits (T or 1, V) per `logits` in {"all", "last", "none"}, taps (T, n*H)).
+        rewindable=False (prefill, plain decoding) lets recurrent layers skip the verify tape.
         """
-        positions = None
+        positions, np_parents = None, parents
         if parents is not None:
             positions = mx.array(start + tree_depths(parents), dtype=mx.int32)
             parents = mx.array(parents, dtype=mx.int32)
@@ -137,9 +157,11 @@ class Target:
         tapped = []
         tap_set = set(self.tap_ids) if taps else set()
         for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
-            r = self._attention(
-                layer.self_attn, layer.input_layernorm(h), c, start, positions, parents
-            )
+            x = layer.input_layernorm(h)
+            if _is_linear(layer):
+                r = gdn_forward(layer.linear_attn, x, c, start, np_parents, rewindable)
+            else:
+                r = self._attention(layer.self_attn, x, c, start, positions, parents)
             h = h + r
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if i in tap_set:
@@ -154,6 +176,10 @@ class Target:
         if logits == "last":
             h = h[:, -1:]
         return self.lm_head(self.inner.norm(h))[0], out_taps
+
+
+def _is_linear(layer) -> bool:
+    return bool(getattr(layer, "is_linear", False))
 
 
 def read_config(path: Path) -> dict:

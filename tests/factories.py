@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 TARGET_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 DRAFTER_VARIANTS = (
     "toplevel_block_size",
     "dflash_config_block_size",
@@ -56,13 +57,18 @@ def _merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]
 
 def tiny_target_config(model_type: str, **overrides: Any) -> dict[str, Any]:
     """A small valid config.json for an mlx-lm model type; kwargs override (None deletes)."""
-    if model_type not in TARGET_TYPES:
-        raise ValueError(f"tiny targets exist for {TARGET_TYPES}, not {model_type!r}")
+    if model_type not in TARGET_TYPES + HYBRID_TYPES:
+        raise ValueError(
+            f"tiny targets exist for {TARGET_TYPES + HYBRID_TYPES}, not {model_type!r}"
+        )
     arch = {
         "llama": "LlamaForCausalLM",
         "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM",
         "qwen3_moe": "Qwen3MoeForCausalLM",
+        "qwen3_5": "Qwen3_5ForConditionalGeneration",
+        "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+        "qwen3_next": "Qwen3NextForCausalLM",
     }[model_type]
     cfg: dict[str, Any] = {
         "architectures": [arch],
@@ -86,6 +92,35 @@ def tiny_target_config(model_type: str, **overrides: Any) -> dict[str, Any]:
     if model_type == "llama":
         cfg["attention_bias"] = False
         cfg["mlp_bias"] = False
+    if model_type in HYBRID_TYPES:
+        # Gated DeltaNet layers (3 of every 4) + gated full attention with partial RoPE.
+        cfg.update(
+            num_hidden_layers=8,
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            full_attention_interval=4,
+            partial_rotary_factor=0.5,
+            tie_word_embeddings=model_type != "qwen3_next",
+        )
+        if model_type.startswith("qwen3_5"):
+            cfg["rope_parameters"] = {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            }
+    if model_type in ("qwen3_5_moe", "qwen3_next"):
+        cfg.update(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+        )
     if model_type == "qwen3_moe":
         cfg.update(
             num_experts=4,

@@ -1,0 +1,130 @@
+"""Hybrid targets (Gated DeltaNet + gated attention): exact DFlash / DDTree, tree-aware state."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from factories import HYBRID_TYPES, load_module, tiny_target_config
+from oracle import OracleDrafter, diversify
+from test_engine import PROMPT, mlx_lm_greedy, run
+
+from mlx_dflash.engine import GenerationConfig, Session, generate_rounds
+from mlx_dflash.hybrid import RecurrentCache, conv_window_index
+from mlx_dflash.target import Target
+
+N = 60
+
+
+@pytest.fixture(scope="module", params=HYBRID_TYPES)
+def target(request):
+    cfg = tiny_target_config(request.param)
+    mod = load_module(request.param)
+    model = mod.Model(mod.ModelArgs.from_dict(cfg))
+    diversify(model, gain=2.0)
+    t = Target(model, None, cfg)
+    assert any(isinstance(c, RecurrentCache) for c in t.make_cache())
+    return t
+
+
+def test_conv_window_follows_ancestors():
+    #      0
+    #     / \\
+    #    1   2
+    #    |
+    #    3
+    parents = np.array([-1, 0, 0, 1])
+    idx = conv_window_index(parents, kernel=4)  # rows: 3 conv-state rows, then nodes at 3..6
+    assert idx[0].tolist() == [0, 1, 2, 3]  # root: the three previous inputs, then itself
+    assert idx[1].tolist() == [1, 2, 3, 4]
+    assert idx[2].tolist() == [1, 2, 3, 5]  # sibling of 1: does not see node 1
+    assert idx[3].tolist() == [2, 3, 4, 6]  # root, node 1, itself
+
+
+def test_ar_matches_mlx_lm(target):
+    ref = mlx_lm_greedy(target, PROMPT, N)
+    out, _ = run(Session(target), PROMPT, max_tokens=N, mode="ar")
+    assert out == ref
+
+
+@pytest.mark.parametrize(
+    "mode,budget", [("dflash", 0), ("ddtree", 4), ("ddtree", 16), ("ddtree", 64)]
+)
+def test_speculative_greedy_exact(target, mode, budget):
+    ref = mlx_lm_greedy(target, PROMPT, N)
+    target.set_taps([1, 3])
+    oracle = OracleDrafter(PROMPT + ref, target.vocab_size, block_size=8, corrupt=0.3, seed=2)
+    out, taus = run(Session(target, oracle), PROMPT, max_tokens=N, mode=mode, budget=budget or 1)
+    assert out == ref
+    assert np.mean(taus) > (3 if budget != 4 else 2)  # real partial acceptance happened
+
+
+def _prefilled(target, tokens):
+    cache = target.make_cache()
+    target.forward(mx.array(tokens), cache, 0, logits="none", taps=False, rewindable=False)
+    return cache
+
+
+def _assert_same_state(cache_a, cache_b):
+    for a, b in zip(cache_a, cache_b, strict=True):
+        if isinstance(a, RecurrentCache):
+            assert a.offset == b.offset
+            np.testing.assert_allclose(np.array(a.state), np.array(b.state), atol=2e-5, rtol=1e-4)
+            np.testing.assert_allclose(np.array(a.conv), np.array(b.conv), atol=2e-5, rtol=1e-4)
+        else:
+            assert a.offset == b.offset
+            np.testing.assert_allclose(
+                np.array(a.keys[..., : a.offset, :]),
+                np.array(b.keys[..., : b.offset, :]),
+                atol=5e-5,
+                rtol=1e-4,
+            )
+
+
+@pytest.mark.parametrize("accepted", [0, 3, 7])
+def test_linear_verify_restores_accepted_prefix_state(target, accepted):
+    block = [7, 21, 40, 11, 99, 5, 17, 3]
+    cache = _prefilled(target, PROMPT)
+    target.forward(mx.array(block), cache, len(PROMPT))
+    for c in cache:
+        c.trim(len(PROMPT) + accepted + 1)
+    _assert_same_state(cache, _prefilled(target, PROMPT + block[: accepted + 1]))
+
+
+def test_tree_verify_commits_the_accepted_path(target):
+    parents = np.array([-1, 0, 0, 1, 1, 2, 3, 3, 6, 0])
+    tokens = [7, 21, 40, 11, 99, 5, 17, 3, 8, 60]
+    start = len(PROMPT)
+    cache = _prefilled(target, PROMPT)
+    logits, _ = target.forward(mx.array(tokens), cache, start, parents=parents)
+    path = [0, 1, 3, 6, 8]
+    for c in cache:
+        c.compact(start, path)
+    _assert_same_state(cache, _prefilled(target, PROMPT + [tokens[i] for i in path]))
+    # And every node's logits equal its own root-to-node sequence run causally.
+    for i in range(len(tokens)):
+        chain = [i]
+        while parents[chain[-1]] >= 0:
+            chain.append(parents[chain[-1]])
+        seq = PROMPT + [tokens[j] for j in reversed(chain)]
+        ref, _ = target.forward(mx.array(seq), target.make_cache(), 0, taps=False, rewindable=False)
+        np.testing.assert_allclose(np.array(logits[i]), np.array(ref[-1]), atol=2e-4, rtol=1e-4)
+
+
+def test_session_reuse_and_reset(target):
+    """Extending the prompt reuses the recurrent state; a diverging prompt starts over."""
+    ref1 = mlx_lm_greedy(target, PROMPT, 12)
+    target.set_taps([1, 3])
+    longer = PROMPT + ref1 + [4, 5]
+    other = PROMPT[:10] + [9, 9, 9]
+    refs = {tuple(p): mlx_lm_greedy(target, p, 12) for p in (longer, other)}
+    oracle = OracleDrafter(longer + refs[tuple(longer)], target.vocab_size, block_size=8)
+    session = Session(target, oracle)
+    assert run(session, PROMPT, max_tokens=12)[0] == ref1
+    rounds = list(generate_rounds(session, longer, GenerationConfig(max_tokens=12)))
+    assert rounds[0].prefill_tokens <= 3
+    assert [t for r in rounds for t in r.tokens] == refs[tuple(longer)]
+    oracle.truth = other + refs[tuple(other)]
+    rounds = list(generate_rounds(session, other, GenerationConfig(max_tokens=12)))
+    assert rounds[0].prefill_tokens == len(other)  # recurrent state cannot rewind: full prefill
+    assert [t for r in rounds for t in r.tokens] == refs[tuple(other)]
