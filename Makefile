@@ -36,8 +36,8 @@ test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
 lint: install
-	$(VENV)/bin/ruff check mlx_dflash convert tests
-	$(VENV)/bin/ruff format --check mlx_dflash convert tests
+	$(VENV)/bin/ruff check mlx_dflash convert tests metal/harness
+	$(VENV)/bin/ruff format --check mlx_dflash convert tests metal/harness
 
 # Test and benchmark models built from ../shared and PyPI packages (see convert/).
 models: install

@@ -21,6 +21,7 @@ import numpy as np
 from .cache import KVCache
 from .errors import DFlashError
 from .hybrid import RecurrentCache, gdn_forward
+from .tree_attention import tree_attention
 
 
 @dataclass(frozen=True)
@@ -122,10 +123,6 @@ class Target:
             mask = "causal" if T > 1 else None
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=mask)
         else:
-            try:
-                from .tree_attention import tree_attention
-            except ImportError:  # TEMP until the kernel module lands
-                tree_attention = _tmp_tree_attention
             out = tree_attention(q, keys, values, parents, attn.scale)
         out = out.transpose(0, 2, 1, 3).reshape(1, T, -1)
         if gate is not None:
@@ -212,16 +209,3 @@ def load_target(path: str | Path) -> Target:
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
         raise DFlashError(f"Could not load the target model from '{path}': {e}") from None
     return Target(model, tokenizer, config)
-
-
-def _tmp_tree_attention(q, k, v, parents, scale):
-    p = np.array(parents)
-    T = len(p)
-    S = k.shape[2] - T
-    anc = np.zeros((T, T), bool)
-    for i in range(T):
-        anc[i, i] = True
-        if p[i] >= 0:
-            anc[i] |= anc[p[i]]
-    mask = np.concatenate([np.ones((T, S), bool), anc], axis=1)
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mx.array(mask))
