@@ -93,9 +93,16 @@ def exact_marginals(target, sampling, depth):
 
 
 @pytest.mark.parametrize(
-    "sampling", [SamplingParams(1.0), SamplingParams(0.7, 0.9, 0), SamplingParams(1.3, 1.0, 6)]
+    "sampling,mode,budget",
+    [
+        (SamplingParams(1.0), "dflash", 0),
+        (SamplingParams(0.7, 0.9, 0), "dflash", 0),
+        (SamplingParams(1.3, 1.0, 6), "dflash", 0),
+        (SamplingParams(1.0), "ddtree", 6),
+        (SamplingParams(0.8, 0.95, 8), "ddtree", 3),
+    ],
 )
-def test_emitted_distribution_matches_target(small_target, sampling):
+def test_emitted_distribution_matches_target(small_target, sampling, mode, budget):
     target = small_target
     cfg = DrafterConfig(
         hidden_size=64,
@@ -116,7 +123,14 @@ def test_emitted_distribution_matches_target(small_target, sampling):
     samples, taus = [], []
     for seed in range(1500):
         session = Session(target, DrafterRunner(drafter, target))
-        gen = GenerationConfig(max_tokens=depth, sampling=sampling, seed=seed, block_size=4)
+        gen = GenerationConfig(
+            max_tokens=depth,
+            sampling=sampling,
+            seed=seed,
+            block_size=4,
+            mode=mode,
+            budget=budget or 1,
+        )
         out = []
         for r in generate_rounds(session, PROMPT, gen):
             out += r.tokens
