@@ -137,3 +137,19 @@ def test_session_prefix_reuse(target):
     rounds = list(generate_rounds(session, prompt2, GenerationConfig(max_tokens=20)))
     assert rounds[0].prefill_tokens <= 4
     assert [t for r in rounds for t in r.tokens] == ref2
+
+
+@pytest.mark.parametrize("model_type", TARGET_TYPES)
+def test_quantized_target_exact(tmp_path, model_type):
+    """4-bit mlx-lm weights (the common case on Macs): still token-identical to mlx-lm."""
+    import mlx.nn as nn
+
+    target = load_target(write_tiny_target(tmp_path, model_type))
+    diversify(target.model)
+    nn.quantize(target.model, group_size=32, bits=4)
+    ref = mlx_lm_greedy(target, PROMPT, 40)
+    target.set_taps([0, 1])
+    for mode in ("dflash", "ddtree"):
+        oracle = OracleDrafter(PROMPT + ref, target.vocab_size, block_size=8, corrupt=0.3)
+        out, _ = run(Session(target, oracle), PROMPT, max_tokens=40, mode=mode, budget=16)
+        assert out == ref, mode
