@@ -16,6 +16,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
 
+from . import gdn_kernels
 from .errors import DFlashError
 
 
@@ -57,12 +58,7 @@ class RecurrentCache:
     def commit(self, path: list[int]) -> None:
         """State after the nodes of `path` (root first, each the parent of the next)."""
         p = self.pending
-        state = p["state0"]
-        for i in path:  # replay: state = g * state + k (x) delta, exactly as in the forward
-            state = (
-                state * p["g"][i][:, None, None] + p["k"][i][:, None, :] * p["delta"][i][..., None]
-            )
-        self.state = state[None]
+        self.state = replay(p["state0"], p["k"], p["g"], p["delta"], path)[None]
         # Conv window: the last K-1 inputs along the accepted path (pre-verify rows first).
         rows = (
             mx.concatenate([p["conv0"][0], p["inputs"][mx.array(path, dtype=mx.int32)]])
@@ -131,12 +127,45 @@ def depth_levels(parents: np.ndarray) -> list[np.ndarray]:
     return [np.nonzero(depth == d)[0] for d in range(int(depth.max()) + 1)]
 
 
+def _repeat_heads(x: mx.array, heads: int) -> mx.array:
+    """(T, Hk, D) -> (T, heads, D), value head h reading key head h // (heads // Hk)."""
+    return x if x.shape[1] == heads else mx.repeat(x, heads // x.shape[1], axis=1)
+
+
+def replay_reference(state0, k, g, delta, path) -> mx.array:
+    """State after the tape's nodes `path`: state = g * state + k (x) delta, as the forward."""
+    k = _repeat_heads(k, delta.shape[1])
+    state = state0
+    for i in path:
+        state = state * g[i][:, None, None] + k[i][:, None, :] * delta[i][..., None]
+    return state
+
+
+def replay(state0, k, g, delta, path) -> mx.array:
+    """replay_reference, on the gdn_tape_replay Metal kernel where DFLASH_GDN picks it."""
+    ok = gdn_kernels.replay_supported(state0, k, delta)
+    if len(path) and gdn_kernels.use_metal(ok, f"replay of k {k.shape} {k.dtype}"):
+        return gdn_kernels.gdn_tape_replay(state0, k, g, delta, path)
+    return replay_reference(state0, k, g, delta, path)
+
+
 def tree_recurrence(q, k, v, g, beta, state0, parents: np.ndarray):
+    """Gated delta rule over a tree: the gdn_tree_verify Metal kernel where DFLASH_GDN picks
+    it, else tree_recurrence_reference. Same arguments and results."""
+    ok = gdn_kernels.tree_supported(q, k, v, state0)
+    what = f"a {len(parents)}-node tree with k {k.shape} {k.dtype}"
+    if gdn_kernels.use_metal(ok, what):
+        return gdn_kernels.gdn_tree_verify(q, k, v, g, beta, state0, parents)
+    return tree_recurrence_reference(q, k, v, g, beta, state0, parents)
+
+
+def tree_recurrence_reference(q, k, v, g, beta, state0, parents: np.ndarray):
     """Gated delta rule over a tree, one batched step per depth level (MLX-ops reference).
 
-    q, k: (T, Hv, Dk) (already repeated to the value heads), v: (T, Hv, Dv), g, beta: (T, Hv),
-    state0: (Hv, Dv, Dk). Returns y (T, Hv, Dv) and delta (T, Hv, Dv) for the tape.
+    q, k: (T, Hk, Dk) with Hv a multiple of Hk (repeated here to the value heads), v: (T, Hv,
+    Dv), g, beta: (T, Hv), state0: (Hv, Dv, Dk). Returns y (T, Hv, Dv) and delta (T, Hv, Dv).
     """
+    q, k = _repeat_heads(q, v.shape[1]), _repeat_heads(k, v.shape[1])
     T = len(parents)
     ys, deltas = [None] * T, [None] * T
     prev_nodes, prev_states = None, state0[None]
@@ -203,10 +232,7 @@ def gdn_forward(layer, x: mx.array, cache: RecurrentCache, start: int, parents, 
     rows = mx.concatenate([conv0[0], qkv[0]])  # (K-1+T, conv_dim)
     window = rows[mx.array(conv_window_index(parents, K))]  # (T, K, conv_dim)
     conv_out = nn.silu((window * w.T[None]).sum(axis=1))
-    q, k, v = _split_qkv(layer, conv_out)
-    rep = layer.num_v_heads // layer.num_k_heads
-    if rep > 1:
-        q, k = mx.repeat(q, rep, axis=1), mx.repeat(k, rep, axis=1)
+    q, k, v = _split_qkv(layer, conv_out)  # q, k keep Hk heads: the kernels map hv -> hk
     beta = mx.sigmoid(b[0])
     g = compute_g(layer.A_log, a[0], layer.dt_bias)
     y, delta = tree_recurrence(q, k, v, g, beta, state0[0], parents)

@@ -1,0 +1,350 @@
+"""Metal kernels for Gated DeltaNet verification (metal/gated_delta.metal) and their dispatch.
+
+The MLX-ops tree recurrence in hybrid.py runs one batched step per depth level, with a gather
+and a few full-state temporaries per level; its replay on commit is one op chain per accepted
+node. On Apple GPUs two kernels do the same work in one launch each: `gdn_tree_verify` walks
+the tree per value row with the state in registers, `gdn_tape_replay` rebuilds the state
+after the accepted path. hybrid.py keeps the ops code as the reference and the fallback for
+shapes the kernels do not take and for machines without Metal.
+
+Backend choice: DFLASH_GDN=auto (default) | metal | reference.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.tree_attention import validate_parents
+
+__all__ = [
+    "ENV_VAR",
+    "MAX_KEY_DIM",
+    "MAX_TREE",
+    "SUPPORTED_DTYPES",
+    "gdn_backend",
+    "gdn_tape_replay",
+    "gdn_tree_verify",
+    "kernel_sources",
+    "replay_supported",
+    "tree_plan",
+    "tree_supported",
+    "use_metal",
+]
+
+ENV_VAR = "DFLASH_GDN"
+_MODES = ("auto", "metal", "reference")
+
+SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+MAX_KEY_DIM = 256  # the row state lives in registers: ceil(Dk / 32) floats per lane
+MAX_TREE = 1024  # per-row delta log in threadgroup memory: ROWS * TMAX floats <= 16 KiB
+ROWS = 4  # value rows (simdgroups) per threadgroup of gdn_tree_verify
+SIMD_WIDTH = 32
+
+_METAL_FILE = "gated_delta.metal"
+_SECTIONS = ("header", "gdn_tree_verify", "gdn_tape_replay")
+_IO = {
+    "gdn_tree_verify": (("q", "k", "v", "g", "beta", "state0", "plan"), ("y", "delta")),
+    "gdn_tape_replay": (("state0", "k", "g", "delta", "path"), ("state",)),
+}
+
+KernelFactory = Callable[..., Any]
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources and kernels
+
+
+def _metal_dir() -> Path:
+    """metal/ sources: mlx_dflash/metal in a wheel, the repository's metal/ when editable."""
+    here = Path(__file__).resolve().parent
+    for cand in (here / "metal", here.parent / "metal"):
+        if (cand / _METAL_FILE).is_file():
+            return cand
+    raise DFlashError(
+        f"The Metal kernel source {_METAL_FILE} is missing from this install; reinstall mlx-dflash."
+    )
+
+
+@lru_cache(maxsize=1)
+def kernel_sources() -> dict[str, str]:
+    """The header and kernel bodies of gated_delta.metal, keyed by section name."""
+    text = (_metal_dir() / _METAL_FILE).read_text()
+    parts = re.split(r"^//// \[(.+?)\][ \t]*$\n?", text, flags=re.MULTILINE)
+    sections = {
+        name.removeprefix("kernel ").strip(): body
+        for name, body in zip(parts[1::2], parts[2::2], strict=True)
+    }
+    for need in _SECTIONS:
+        if need not in sections:
+            raise DFlashError(f"{_METAL_FILE} has no section [{need}]; the install is broken.")
+    return sections
+
+
+def _kernel_factory() -> KernelFactory:
+    """The factory used when none is passed (a function, so tests can swap in the harness)."""
+    return mx.fast.metal_kernel
+
+
+_kernels: dict[tuple[Any, str], Any] = {}
+
+
+def _kernel(factory: KernelFactory, which: str) -> Any:
+    key = (factory, which)
+    if key not in _kernels:
+        src = kernel_sources()
+        inputs, outputs = _IO[which]
+        _kernels[key] = factory(
+            name=f"dflash_{which}",
+            input_names=list(inputs),
+            output_names=list(outputs),
+            source=src[which],
+            header=src["header"],
+        )
+    return _kernels[key]
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes
+
+
+def _heads_ok(n_hv: int, n_hk: int) -> bool:
+    return n_hk > 0 and n_hv % n_hk == 0
+
+
+def tree_supported(q: mx.array, k: mx.array, v: mx.array, state0: mx.array) -> bool:
+    """Whether gdn_tree_verify takes these shapes and dtypes (it does not check for Metal)."""
+    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3 or state0.ndim != 3:
+        return False
+    t, n_hk, dk = k.shape
+    _, n_hv, dv = v.shape
+    return (
+        tuple(q.shape) == tuple(k.shape)
+        and v.shape[0] == t
+        and 1 <= t <= MAX_TREE
+        and 1 <= dk <= MAX_KEY_DIM
+        and dv >= 1
+        and _heads_ok(n_hv, n_hk)
+        and tuple(state0.shape) == (n_hv, dv, dk)
+        and all(x.dtype in SUPPORTED_DTYPES for x in (q, k, v))
+    )
+
+
+def replay_supported(state0: mx.array, k: mx.array, delta: mx.array) -> bool:
+    """Whether gdn_tape_replay takes these shapes and dtypes (it does not check for Metal)."""
+    if state0.ndim != 3 or k.ndim != 3 or delta.ndim != 3:
+        return False
+    n_hv, dv, dk = state0.shape
+    return (
+        k.shape[2] == dk
+        and _heads_ok(n_hv, k.shape[1])
+        and tuple(delta.shape[1:]) == (n_hv, dv)
+        and k.shape[0] == delta.shape[0]
+        and k.dtype in SUPPORTED_DTYPES
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel paths
+
+
+def tree_plan(parents: Any) -> np.ndarray:
+    """The node order and replay paths gdn_tree_verify follows (layout in gated_delta.metal).
+
+    Depth-first preorder keeps a node's parent state in registers for its first child; each
+    later child gets the path root .. parent to replay. Built on the host: T is small and the
+    parents are already there.
+    """
+    p = validate_parents(parents)
+    t = len(p)
+    children: list[list[int]] = [[] for _ in range(t)]
+    for i in range(1, t):
+        children[p[i]].append(i)
+    order, stack = [], [0]
+    while stack:
+        n = stack.pop()
+        order.append(n)
+        stack.extend(reversed(children[n]))
+    offsets, paths = [], []
+    base, prev = 2 * t + 1, -1
+    for n in order:
+        offsets.append(base + len(paths))
+        if p[n] >= 0 and p[n] != prev:
+            path, a = [], int(p[n])
+            while a >= 0:
+                path.append(a)
+                a = int(p[a])
+            paths.extend(reversed(path))
+        prev = n
+    offsets.append(base + len(paths))
+    return np.array(order + offsets + paths + [0], dtype=np.int32)
+
+
+def _tree_max(t: int) -> int:
+    """TMAX: a power of two >= T (at least 32), so few variants get compiled."""
+    return max(SIMD_WIDTH, 1 << (t - 1).bit_length())
+
+
+def gdn_tree_verify(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state0: mx.array,
+    parents: Any,
+    *,
+    kernel_factory: KernelFactory | None = None,
+) -> tuple[mx.array, mx.array]:
+    """The gdn_tree_verify kernel: y and delta (T, Hv, Dv) float32, as tree_recurrence.
+
+    q, k: (T, Hk, Dk) with Hv % Hk == 0 (heads shared as mx.repeat would); kernel_factory
+    defaults to mx.fast.metal_kernel, tests pass the CPU harness's drop-in.
+    """
+    if not tree_supported(q, k, v, state0):
+        raise ValueError(
+            f"gdn_tree_verify cannot take q {q.shape} {q.dtype}, k {k.shape}, v {v.shape}, "
+            f"state0 {state0.shape}"
+        )
+    t, n_hv, dv = v.shape
+    if tuple(g.shape) != (t, n_hv) or tuple(beta.shape) != (t, n_hv):
+        raise ValueError(f"g {g.shape} and beta {beta.shape} must be (T, Hv) = {(t, n_hv)}")
+    parents = validate_parents(parents)
+    if len(parents) != t:
+        raise ValueError(f"parents describe {len(parents)} nodes, q/k/v have {t}")
+    plan = tree_plan(parents)
+    dt = q.dtype if k.dtype == q.dtype == v.dtype else mx.float32
+    q, k, v = (x.astype(dt) for x in (q, k, v))
+    factory = kernel_factory or _kernel_factory()
+    y, delta = _kernel(factory, "gdn_tree_verify")(
+        inputs=[
+            q,
+            k,
+            v,
+            g.astype(mx.float32),
+            beta.astype(mx.float32),
+            state0.astype(mx.float32),
+            mx.array(plan),
+        ],
+        template=[("InT", dt), ("DK", k.shape[2]), ("NSG", ROWS), ("TMAX", _tree_max(t))],
+        grid=(SIMD_WIDTH, dv, n_hv),
+        threadgroup=(SIMD_WIDTH, ROWS, 1),
+        output_shapes=[(t, n_hv, dv), (t, n_hv, dv)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    return y, delta
+
+
+def _path_array(path: Sequence[int] | np.ndarray | mx.array, t: int) -> np.ndarray:
+    a = np.asarray(path.tolist() if isinstance(path, mx.array) else path, dtype=np.int64)
+    if a.ndim != 1 or (a.size and (a.min() < 0 or a.max() >= t)):
+        raise ValueError(f"path must list node indices in [0, {t}), got {a.tolist()}")
+    return a.astype(np.int32)
+
+
+def gdn_tape_replay(
+    state0: mx.array,
+    k: mx.array,
+    g: mx.array,
+    delta: mx.array,
+    path: Sequence[int] | np.ndarray | mx.array,
+    *,
+    kernel_factory: KernelFactory | None = None,
+) -> mx.array:
+    """The gdn_tape_replay kernel: (Hv, Dv, Dk) float32 state after the nodes of `path`."""
+    if not replay_supported(state0, k, delta):
+        raise ValueError(
+            f"gdn_tape_replay cannot take state0 {state0.shape}, k {k.shape} {k.dtype}, "
+            f"delta {delta.shape}"
+        )
+    p = _path_array(path, k.shape[0])
+    state0 = state0.astype(mx.float32)
+    if p.size == 0:
+        return state0
+    n_hv, dv, dk = state0.shape
+    factory = kernel_factory or _kernel_factory()
+    (state,) = _kernel(factory, "gdn_tape_replay")(
+        inputs=[state0, k, g.astype(mx.float32), delta.astype(mx.float32), mx.array(p)],
+        template=[("InT", k.dtype)],
+        grid=(dk, dv, n_hv),
+        threadgroup=(min(dk, 256), max(1, 256 // dk), 1),
+        output_shapes=[(n_hv, dv, dk)],
+        output_dtypes=[mx.float32],
+    )
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch
+
+
+def _mode() -> str:
+    mode = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if mode not in _MODES:
+        raise DFlashError(f"{ENV_VAR} must be one of {', '.join(_MODES)}, not {mode!r}.")
+    return mode
+
+
+def _metal_available() -> bool:
+    return mx.metal.is_available()
+
+
+def _metal_ready() -> bool:
+    if not _metal_available():
+        return False
+    try:
+        kernel_sources()
+    except DFlashError:
+        return False
+    return True
+
+
+def use_metal(supported: bool, what: str) -> bool:
+    """Whether to run a GDN kernel for a call whose shape support is `supported`.
+
+    auto: the kernel when Metal is there and it takes the shape; reference: never; metal:
+    always, and a clear error where it cannot run rather than a silent fallback.
+    """
+    mode = _mode()
+    if mode == "reference":
+        return False
+    if mode == "metal":
+        if not _metal_available():
+            raise DFlashError(
+                f"{ENV_VAR}=metal needs a Metal GPU and none is available here; "
+                f"unset it or set {ENV_VAR}=reference."
+            )
+        if not supported:
+            raise DFlashError(
+                f"{ENV_VAR}=metal cannot run {what} (supported: Dk <= {MAX_KEY_DIM}, "
+                f"T <= {MAX_TREE}, Hv a multiple of Hk, float16/bfloat16/float32)."
+            )
+        return True
+    return supported and _metal_ready()
+
+
+def gdn_backend() -> str:
+    """One line for `dflash-mlx doctor`: which Gated DeltaNet verify path runs, and why."""
+    try:
+        mode = _mode()
+    except DFlashError as exc:
+        return f"invalid: {exc}"
+    ref = "reference (MLX ops, one step per tree level)"
+    if mode == "reference":
+        return f"{ref}, forced by {ENV_VAR}=reference"
+    if not _metal_available():
+        if mode == "metal":
+            return f"none: {ENV_VAR}=metal but no Metal GPU is available (hybrid verify will fail)"
+        return f"{ref}: no Metal GPU"
+    if not _metal_ready():
+        return f"{ref}: Metal kernel source missing from the install"
+    how = f"forced by {ENV_VAR}=metal" if mode == "metal" else "reference for other shapes"
+    return f"metal gdn_tree_verify + gdn_tape_replay kernels (Dk <= {MAX_KEY_DIM}; {how})"
