@@ -36,6 +36,7 @@ def report() -> dict[str, str]:
     import mlx.core as mx
 
     from . import _blas
+    from .gdn_kernels import gdn_backend
     from .tree_attention import attention_backend
 
     metal = mx.metal.is_available()
@@ -54,6 +55,7 @@ def report() -> dict[str, str]:
         "blas": blas,
         "float32 matmul": f"{matmul_gflops():.1f} GFLOP/s (1024x1024)",
         "tree attention": attention_backend(),
+        "gated deltanet": gdn_backend(),
     }
 
 
