@@ -365,6 +365,7 @@ def convert_target(
     quantize: bool = False,
     q_bits: int = 4,
     q_group_size: int = 64,
+    dequantize: bool = False,
 ) -> dict[str, Any]:
     """Load with mlx-lm, cast and quantize as mlx_lm.convert does, and write into `out`."""
     import mlx.core as mx
@@ -377,6 +378,15 @@ def convert_target(
         progress.add_task("Loading target with mlx-lm", total=None)
         model, config = _load_target(source)
 
+    if dequantize:
+        # Float weights for the CPU, where BLAS makes float32 matmuls far faster than 4-bit.
+        if "quantization" not in config:
+            raise DFlashError(f"The target in {source} is not quantized; drop --dequantize.")
+        from mlx_lm.utils import dequantize_model
+
+        model = dequantize_model(model)
+        config.pop("quantization", None)
+        config.pop("quantization_config", None)
     dtype = _pick_dtype(dtype, config)
     if dtype is not None:
         dt = getattr(mx, dtype)
@@ -434,6 +444,7 @@ def convert(
     q_group_size: int = 64,
     target: str | Path | None = None,
     force: bool = False,
+    dequantize: bool = False,
 ) -> Path:
     """Convert a target or DFlash drafter checkpoint into the MLX folder `out`; returns `out`.
 
@@ -452,12 +463,14 @@ def convert(
     kind = detect_kind(read_config(src), kind)
     if kind == "target" and target is not None:
         raise DFlashError("--target only applies when converting a drafter.")
+    if dequantize and (kind != "target" or quantize):
+        raise DFlashError("--dequantize applies to quantized targets, without --quantize.")
     opts = dict(dtype=dtype, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size)
     with staging(out, force) as tmp:
         if kind == "drafter":
             convert_drafter(src, tmp, target=target, **opts)
         else:
-            convert_target(src, tmp, **opts)
+            convert_target(src, tmp, dequantize=dequantize, **opts)
     return out
 
 
@@ -475,6 +488,9 @@ def convert_command(
         None, "--target", help="The drafter's target folder: derive tap ids and check the pair."
     ),
     force: bool = typer.Option(False, "--force", help="Replace an existing output folder."),
+    dequantize: bool = typer.Option(
+        False, "--dequantize", "-d", help="Dequantize a quantized target (float32 on the CPU)."
+    ),
 ) -> None:
     """Convert a Hugging Face checkpoint (target or DFlash drafter) to an MLX folder."""
     done = convert(
@@ -487,5 +503,6 @@ def convert_command(
         q_group_size=q_group_size,
         target=target,
         force=force,
+        dequantize=dequantize,
     )
     typer.echo(f"Wrote {done}")

@@ -200,6 +200,13 @@ def test_target_quantized(tmp_path, targets, model_type):
     got = _logits(out).astype(mx.float32)
     assert mx.isfinite(got).all() and mx.abs(got - ref).mean().item() < 0.5
     _rejects("already quantized", out, tmp_path / "qq", quantize=True)
+    # --dequantize: float weights again (fast BLAS path on CPUs), same function as the 4-bit model.
+    deq = conv.convert(out, tmp_path / "dq", dequantize=True, dtype="float32")
+    assert "quantization" not in json.loads((deq / "config.json").read_text())
+    model, _ = mlx_lm.load(str(deq))
+    assert not any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
+    assert mx.abs(_logits(deq) - got).max().item() < 5e-2  # the 4-bit model ran in float16
+    _rejects("not quantized", targets[model_type], tmp_path / "dq2", dequantize=True)
 
 
 def test_sharded_output(tmp_path, targets, drafter, monkeypatch):
