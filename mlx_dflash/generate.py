@@ -145,21 +145,25 @@ def _adds_bos(tokenizer) -> bool:
 
 
 def load_pair(model: str | None, drafter: str | None, mode: str = "dflash"):
-    """Target and drafter from paths (the embedded default pair when neither is given)."""
+    """Target and drafter from folders or hub ids (the embedded default pair when neither is
+    given); a known target finds its published drafter without --drafter."""
     from .drafter import DrafterRunner, load_drafter
+    from .resolve import resolve_model
     from .target import load_target
 
     if model is None:
         model = str(DEFAULT_TARGET)
         drafter = drafter or str(DEFAULT_DRAFTER)
-    target = load_target(model)
+    target_path = resolve_model(model, "target")
+    target = load_target(target_path)
     if mode == "ar" and drafter is None:
         return target, None
     if drafter is None:
         from .registry import find_drafter
 
         drafter = find_drafter(model)
-    draft_model = load_drafter(drafter, num_target_layers=target.num_layers)
+    drafter_path = resolve_model(drafter, "drafter", target=target_path)
+    draft_model = load_drafter(drafter_path, num_target_layers=target.num_layers)
     from .checkpoint import check_pair
 
     check_pair(draft_model.cfg, target.config)

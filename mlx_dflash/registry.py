@@ -1,4 +1,10 @@
-"""Published target -> z-lab DFlash drafter pairs, so `--model Qwen/Qwen3-8B` needs no --drafter."""
+"""Published target -> z-lab DFlash drafter pairs, so `--model Qwen/Qwen3-8B` needs no --drafter.
+
+Users rarely pass the exact upstream id: they pass re-quantised copies (mlx-community/Qwen3-8B-4bit,
+Qwen/Qwen3-8B-MLX-bf16, Meta-Llama-3.1-8B-Instruct-4bit) or a local folder named after one. Those
+share the base model's weights up to quantisation, hence its drafter, so lookups compare
+normalised base names rather than ids.
+"""
 
 from __future__ import annotations
 
@@ -19,16 +25,28 @@ DRAFTERS: dict[str, str] = {
     "moonshotai/Kimi-K2.5": "z-lab/Kimi-K2.5-DFlash",
 }
 
-# Re-quantised copies (mlx-community/Qwen3-8B-4bit, ...) share the base model's drafter.
-_SUFFIX = re.compile(r"(-(mlx|MLX|\d+bit|bf16|fp16|float16|DWQ|dwq|q\d|Q\d\w*))+$")
+# Trailing tags that re-quantised or re-packaged copies add to the base model's name:
+# -MLX, -4bit, -bf16, -DWQ, -4bit-DWQ-053125, -mxfp4, -q4_K_M, ...
+_TAG = (
+    r"mlx|\d+bit|\d+-bit|bf16|fp16|fp32|float16|float32|f16|f32|dwq|awq|gptq|mxfp\d|nvfp\d"
+    r"|q\d(_[a-z0-9]+)*|v\d+|\d{6}"
+)
+_SUFFIX = re.compile(rf"([-_.]({_TAG}))+$", re.IGNORECASE)
+# mlx-community calls Llama 3.1 "Meta-Llama-3.1-8B-Instruct".
+_PREFIX = re.compile(r"^meta-(?=llama)", re.IGNORECASE)
 
 
-def base_name(model: str) -> str:
-    return _SUFFIX.sub("", Path(model.rstrip("/")).name).lower()
+def base_name(model: str | Path) -> str:
+    """The lower-case model name without org, quantisation tags or packaging prefixes."""
+    name = Path(str(model).rstrip("/")).name
+    return _PREFIX.sub("", _SUFFIX.sub("", name)).lower()
 
 
-def find_drafter(model: str) -> str:
+def find_drafter(model: str | Path) -> str:
     """The drafter id for a target id or folder name; a clear error when none is known."""
+    for target, drafter in DRAFTERS.items():
+        if str(model).lower() == target.lower():
+            return drafter
     name = base_name(model)
     for target, drafter in DRAFTERS.items():
         if base_name(target) == name:

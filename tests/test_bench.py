@@ -1,0 +1,144 @@
+"""`dflash-mlx bench` on a tiny target: JSON and PNG out, greedy outputs compared across
+methods, and a planted mismatch that the comparison must catch."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+from factories import drafter_config_dict, write_drafter_checkpoint, write_tiny_target
+from typer.testing import CliRunner
+
+from mlx_dflash import bench
+from mlx_dflash.bench import DATASETS, Method, check_identical, load_prompts, parse_methods
+from mlx_dflash.cli import app
+from mlx_dflash.errors import DFlashError
+
+HAS_DDTREE = importlib.util.find_spec("mlx_dflash.ddtree") is not None
+METHODS = "mlx-lm,ar,dflash" + (",ddtree:4,ddtree:auto" if HAS_DDTREE else "")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    target = write_tiny_target(root / "target", "llama")
+    cfg = json.loads((target / "config.json").read_text())
+    drafter = write_drafter_checkpoint(
+        root / "drafter", drafter_config_dict("toplevel_block_size", cfg, block_size=4)
+    )
+    return str(target), str(drafter)
+
+
+@pytest.fixture
+def data_dir(shared_file):
+    return shared_file("data/bench/gsm8k_test.jsonl").parent
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    """Keep the DDTree auto-budget profile out of the user's cache."""
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path / "cache"))
+
+
+def bench_args(pair, out):
+    model, drafter = pair
+    return ["bench", "-m", model, "-d", drafter, "--limit", "2", "-n", "10", "--out", str(out)]
+
+
+def test_bench_writes_json_and_plot(pair, data_dir, tmp_path):
+    out = tmp_path / "res" / "b.json"
+    args = bench_args(pair, out) + ["--methods", METHODS, "--data-dir", str(data_dir)]
+    r = CliRunner().invoke(app, [*args, "--dataset", "gsm8k", "--dataset", "mt-bench"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(out.read_text())
+    methods = METHODS.split(",")
+    assert [(x["dataset"], x["method"]) for x in res["results"]] == [
+        (d, m) for d in ("gsm8k", "mt-bench") for m in methods
+    ]
+    assert res["identical"] == {
+        "checked": True,
+        "identical": True,
+        "reference": "mlx-lm",
+        "comparisons": 2 * 2 * (len(methods) - 1),
+        "mismatches": [],
+    }
+    assert res["baseline"] == "mlx-lm"
+    for row in res["results"]:
+        assert row["prompts"] == 2 and row["generated_tokens"] <= 20
+        assert row["generation_tps"] > 0 and row["speedup"] > 0 and row["mean_tau"] >= 1
+        assert sum(row["tau_histogram"].values()) == row["rounds"]
+        if row["method"] in ("dflash", "ddtree:4"):
+            assert row["time_draft_s"] > 0 and row["time_verify_s"] > 0
+    assert "token-identical" in r.stdout and "gsm8k" in r.stdout
+    if importlib.util.find_spec("matplotlib"):
+        png = out.with_suffix(".png")
+        assert res["plot"] == str(png) and png.read_bytes()[:4] == b"\x89PNG"
+    else:
+        assert "Plot skipped" in r.stdout
+
+
+def test_planted_mismatch_is_reported(pair, data_dir, tmp_path, monkeypatch):
+    real = bench.run_engine
+
+    def corrupt(target, runner, ids, cfg):
+        run = real(target, runner, ids, cfg)
+        if cfg.mode == "dflash" and len(run.tokens) > 3:
+            run.tokens[3] = (run.tokens[3] + 1) % target.vocab_size
+        return run
+
+    monkeypatch.setattr(bench, "run_engine", corrupt)
+    out = tmp_path / "b.json"
+    args = bench_args(pair, out) + ["--methods", "ar,dflash", "--no-plot"]
+    r = CliRunner().invoke(app, [*args, "--data-dir", str(data_dir), "--dataset", "gsm8k"])
+    assert r.exit_code == 1
+    assert "MISMATCH" in r.stdout and "dflash differs at token 3" in r.stdout
+    ident = json.loads(out.read_text())["identical"]
+    assert ident["identical"] is False and {m["method"] for m in ident["mismatches"]} == {"dflash"}
+    assert [m["position"] for m in ident["mismatches"]] == [3, 3]
+
+
+def test_check_identical():
+    same = {"d": [{"a": [1, 2, 3], "b": [1, 2, 3]}]}
+    assert check_identical(same)["identical"] is True
+    short = check_identical({"d": [{"a": [1, 2, 3], "b": [1, 2]}]})
+    assert short["identical"] is False and short["mismatches"][0]["position"] == 2
+    assert check_identical(same, greedy=False)["checked"] is False
+
+
+def test_parse_methods():
+    assert parse_methods("mlx-lm, ar,dflash,ddtree,ddtree:4,ddtree:auto") == [
+        Method("mlx-lm", "mlx-lm"),
+        Method("ar", "ar"),
+        Method("dflash", "dflash"),
+        Method("ddtree", "ddtree", 16),
+        Method("ddtree:4", "ddtree", 4),
+        Method("ddtree:auto", "ddtree", "auto"),
+    ]
+    for bad in ("eagle", "dflash:3", "ddtree:0", "ddtree:x", "ar,ar", ""):
+        with pytest.raises(DFlashError):
+            parse_methods(bad)
+
+
+@pytest.mark.parametrize("name", list(DATASETS))
+def test_named_datasets_load(name, data_dir):
+    prompts = load_prompts(name, data_dir, limit=3)
+    assert len(prompts) == 3 and all(isinstance(p, str) and len(p) > 10 for p in prompts)
+
+
+def test_own_jsonl_and_errors(tmp_path, monkeypatch):
+    f = tmp_path / "mine.jsonl"
+    f.write_text('{"question": "What is 2+2?"}\n\n{"turns": ["Hi", "Bye"]}\n')
+    assert load_prompts(str(f)) == ["What is 2+2?", "Hi"]
+    with pytest.raises(DFlashError, match="Unknown dataset"):
+        load_prompts("nope")
+    with pytest.raises(DFlashError, match="does not exist"):
+        load_prompts("gsm8k", tmp_path)
+
+    def offline(*a, **k):
+        raise ConnectionError("offline")
+
+    monkeypatch.setattr(bench, "default_data_dir", lambda: None)
+    monkeypatch.setattr("huggingface_hub.hf_hub_download", offline)
+    with pytest.raises(DFlashError, match="could not be fetched from the Hugging Face hub"):
+        load_prompts("math500")

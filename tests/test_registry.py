@@ -1,0 +1,152 @@
+"""Target -> drafter lookups and hub-id resolution through the conversion cache (no network:
+the hub downloader is replaced by a function serving local tiny checkpoints)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from factories import drafter_config_dict, write_drafter_checkpoint, write_tiny_target
+
+from mlx_dflash import convert as convert_mod
+from mlx_dflash import registry
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.registry import DRAFTERS, find_drafter
+from mlx_dflash.resolve import cached_path, resolve_model
+
+
+@pytest.mark.parametrize("target", list(DRAFTERS))
+def test_exact_ids(target):
+    assert find_drafter(target) == DRAFTERS[target]
+    assert find_drafter(target.lower()) == DRAFTERS[target]
+
+
+@pytest.mark.parametrize(
+    "name, drafter",
+    [
+        ("mlx-community/Qwen3-8B-4bit", "z-lab/Qwen3-8B-DFlash-b16"),
+        ("mlx-community/Qwen3-8B-bf16", "z-lab/Qwen3-8B-DFlash-b16"),
+        ("mlx-community/Qwen3-8B-4bit-DWQ-053125", "z-lab/Qwen3-8B-DFlash-b16"),
+        ("Qwen/Qwen3-4B-MLX-8bit", "z-lab/Qwen3-4B-DFlash-b16"),
+        ("mlx-community/Meta-Llama-3.1-8B-Instruct-4bit", "z-lab/LLaMA3.1-8B-Instruct-DFlash"),
+        ("mlx-community/Qwen3-Coder-30B-A3B-Instruct-6bit", "z-lab/Qwen3-Coder-30B-A3B-DFlash"),
+        ("mlx-community/Qwen3.5-9B-MLX-4bit", "z-lab/Qwen3.5-9B-DFlash"),
+        ("mlx-community/Qwen3.5-35B-A3B-mxfp4", "z-lab/Qwen3.5-35B-A3B-DFlash"),
+        ("models/qwen3-4b-4bit/", "z-lab/Qwen3-4B-DFlash-b16"),  # a local folder's name
+    ],
+)
+def test_requantized_names(name, drafter):
+    assert find_drafter(name) == drafter
+
+
+@pytest.mark.parametrize(
+    "name", ["mistralai/Mistral-7B-v0.1", "mlx-community/Qwen3-4B-Instruct-2507-4bit", "x"]
+)
+def test_unknown_target_asks_for_drafter(name):
+    with pytest.raises(DFlashError, match="pass --drafter"):
+        find_drafter(name)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(root))
+    return root
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    """Local folders standing in for hub repos."""
+    root = tmp_path_factory.mktemp("hub")
+    target = write_tiny_target(root / "target", "qwen3")
+    cfg = json.loads((target / "config.json").read_text())
+    drafter = write_drafter_checkpoint(
+        root / "drafter", drafter_config_dict("no_target_layer_ids", cfg, block_size=4)
+    )
+    return {"acme/Tiny-8B": target, "z-lab/Tiny-8B-DFlash": drafter}
+
+
+def serve(monkeypatch, hub, calls):
+    def fake_download(repo_id):
+        calls.append(repo_id)
+        if repo_id not in hub:
+            raise ConnectionError("no network in tests")
+        return str(hub[repo_id])
+
+    monkeypatch.setattr(convert_mod, "_snapshot_download", fake_download)
+
+
+def test_local_folder_returned_as_is(tmp_path, cache, monkeypatch):
+    serve(monkeypatch, {}, calls := [])
+    assert resolve_model(tmp_path, "target") == tmp_path
+    (tmp_path / "f.txt").write_text("x")
+    with pytest.raises(DFlashError, match="is a file"):
+        resolve_model(tmp_path / "f.txt", "target")
+    with pytest.raises(DFlashError, match="does not exist"):
+        resolve_model(tmp_path / "missing" / "deeper" / "x", "target")
+    assert calls == []
+
+
+def test_cached_id_needs_no_hub(cache, monkeypatch):
+    folder = cache / "Qwen" / "Qwen3-8B"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    serve(monkeypatch, {}, calls := [])
+    assert resolve_model("Qwen/Qwen3-8B", "target") == folder == cached_path("Qwen/Qwen3-8B")
+    assert calls == []
+
+
+def test_uncached_id_offline_is_one_clear_sentence(cache, monkeypatch):
+    serve(monkeypatch, {}, calls := [])
+    with pytest.raises(DFlashError, match="Could not reach the Hugging Face hub") as e:
+        resolve_model("Qwen/Qwen3-8B", "target")
+    assert str(e.value).count(". ") == 0 and calls == ["Qwen/Qwen3-8B"]
+    assert not (cache / "Qwen" / "Qwen3-8B").exists()
+
+
+def test_hf_hub_offline_flag(cache, monkeypatch):
+    from huggingface_hub import constants
+
+    serve(monkeypatch, {}, calls := [])
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(DFlashError, match="not in the dflash-mlx cache .* offline"):
+        resolve_model("Qwen/Qwen3-8B", "target")
+    assert calls == []
+
+
+def test_hub_id_converted_once_then_reused(cache, hub, monkeypatch):
+    serve(monkeypatch, hub, calls := [])
+    first = resolve_model("acme/Tiny-8B", "target")
+    assert first == cache / "acme" / "Tiny-8B"
+    assert (first / "config.json").is_file() and list(first.glob("*.safetensors"))
+    assert (first / "tokenizer.json").is_file()
+    drafter = resolve_model("z-lab/Tiny-8B-DFlash", "drafter", target=first)
+    # Converted drafters carry the tap ids derived from the target.
+    assert json.loads((drafter / "config.json").read_text())["dflash_config"]["target_layer_ids"]
+    assert calls == ["acme/Tiny-8B", "z-lab/Tiny-8B-DFlash"]
+    assert resolve_model("acme/Tiny-8B", "target") == first
+    assert resolve_model("z-lab/Tiny-8B-DFlash", "drafter") == drafter
+    assert len(calls) == 2
+
+
+def test_load_pair_finds_and_fetches_the_drafter(cache, hub, monkeypatch):
+    """`--model <quantized copy id>` alone: registry lookup, download, convert, load."""
+    from mlx_dflash.generate import load_pair
+
+    serve(monkeypatch, {"mlx-community/Tiny-8B-4bit": hub["acme/Tiny-8B"], **hub}, calls := [])
+    monkeypatch.setitem(registry.DRAFTERS, "acme/Tiny-8B", "z-lab/Tiny-8B-DFlash")
+    target, runner = load_pair("mlx-community/Tiny-8B-4bit", None)
+    assert calls == ["mlx-community/Tiny-8B-4bit", "z-lab/Tiny-8B-DFlash"]
+    assert runner.block_size == 4 and target.tap_ids == list(runner.cfg.target_layer_ids)
+    target, runner = load_pair("mlx-community/Tiny-8B-4bit", None)
+    assert len(calls) == 2
+    with pytest.raises(DFlashError, match="pass --drafter"):
+        load_pair(str(hub["acme/Tiny-8B"]), None)  # folder named "target": unknown
+
+
+def test_incomplete_cache_folder(cache, monkeypatch):
+    (cache / "Qwen" / "Qwen3-8B").mkdir(parents=True)
+    serve(monkeypatch, {}, calls := [])
+    with pytest.raises(DFlashError, match="incomplete; delete it"):
+        resolve_model("Qwen/Qwen3-8B", "target")
+    assert calls == []
