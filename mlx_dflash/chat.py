@@ -19,8 +19,7 @@ import typer
 
 from .engine import GenerationConfig, Session
 from .errors import DFlashError
-from .generate import Stats, load_pair, parse_budget, stop_ids, stream_generate
-from .sampling import SamplingParams
+from .generate import Stats, check_mode, generation_config, load_pair, stream_generate
 
 COMMANDS = {
     "/system TEXT": "set the system message (just /system clears it)",
@@ -283,18 +282,9 @@ def chat_command(
     system: str = typer.Option(None, "--system", help="System message."),
 ) -> None:
     """Chat with a model in the terminal (/help for commands); scriptable through stdin."""
-    if mode not in ("dflash", "ddtree", "ar"):
-        raise DFlashError(f"Unknown mode '{mode}' (choose dflash, ddtree or ar).")
+    check_mode(mode)
     target, runner = load_pair(model, drafter, mode)
-    cfg = GenerationConfig(
-        max_tokens=max_tokens,
-        sampling=SamplingParams(temp, top_p, top_k),
-        seed=seed,
-        mode=mode,
-        block_size=block_size,
-        budget=parse_budget(budget),
-        stop_ids=stop_ids(target.tokenizer),
-    )
+    cfg = generation_config(target, max_tokens, temp, top_p, top_k, seed, mode, block_size, budget)
     chat = Chat(target, runner, cfg, system, chat_template)
     io = RichIO() if sys.stdin.isatty() and sys.stdout.isatty() else PlainIO()
     if isinstance(io, RichIO):

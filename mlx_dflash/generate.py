@@ -11,7 +11,7 @@ from pathlib import Path
 
 import typer
 
-from .engine import GenerationConfig, Round, Session, generate_rounds
+from .engine import MODES, GenerationConfig, Round, Session, generate_rounds
 from .errors import DFlashError
 from .sampling import SamplingParams
 
@@ -193,19 +193,10 @@ def generate_command(
     """Generate text with DFlash / DDTree speculative decoding (or plain decoding: --mode ar)."""
     if prompt == "-":
         prompt = sys.stdin.read()
-    if mode not in ("dflash", "ddtree", "ar"):
-        raise DFlashError(f"Unknown mode '{mode}' (choose dflash, ddtree or ar).")
+    check_mode(mode)
     target, runner = load_pair(model, drafter, mode)
     ids = encode_prompt(target.tokenizer, prompt, chat_template, system)
-    cfg = GenerationConfig(
-        max_tokens=max_tokens,
-        sampling=SamplingParams(temp, top_p, top_k),
-        seed=seed,
-        mode=mode,
-        block_size=block_size,
-        budget=parse_budget(budget),
-        stop_ids=stop_ids(target.tokenizer),
-    )
+    cfg = generation_config(target, max_tokens, temp, top_p, top_k, seed, mode, block_size, budget)
     session = Session(target, runner if mode != "ar" else None)
     stats, text = Stats(), []
     for chunk in stream_generate(session, ids, cfg):
@@ -220,6 +211,26 @@ def generate_command(
     sys.stdout.write("\n")
     if not quiet_stats:
         print(stats.line(), file=sys.stderr)
+
+
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise DFlashError(f"Unknown mode '{mode}' (choose dflash, ddtree or ar).")
+
+
+def generation_config(
+    target, max_tokens, temp, top_p, top_k, seed, mode, block_size, budget
+) -> GenerationConfig:
+    """The engine settings behind the flags that generate, chat and bench share."""
+    return GenerationConfig(
+        max_tokens=max_tokens,
+        sampling=SamplingParams(temp, top_p, top_k),
+        seed=seed,
+        mode=mode,
+        block_size=block_size,
+        budget=parse_budget(budget),
+        stop_ids=stop_ids(target.tokenizer),
+    )
 
 
 def parse_budget(budget: str | int) -> int | str:
