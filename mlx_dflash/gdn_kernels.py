@@ -12,17 +12,15 @@ Backend choice: DFLASH_GDN=auto (default) | metal | reference.
 
 from __future__ import annotations
 
-import os
-import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from mlx_dflash.errors import DFlashError
+from mlx_dflash import metal_kernels
+from mlx_dflash.metal_kernels import KernelFactory
 from mlx_dflash.tree_attention import validate_parents
 
 __all__ = [
@@ -41,7 +39,6 @@ __all__ = [
 ]
 
 ENV_VAR = "DFLASH_GDN"
-_MODES = ("auto", "metal", "reference")
 
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 MAX_KEY_DIM = 256  # the row state lives in registers: ceil(Dk / 32) floats per lane
@@ -56,37 +53,15 @@ _IO = {
     "gdn_tape_replay": (("state0", "k", "g", "delta", "path"), ("state",)),
 }
 
-KernelFactory = Callable[..., Any]
-
 
 # ---------------------------------------------------------------------------------------------
 # Sources and kernels
 
 
-def _metal_dir() -> Path:
-    """metal/ sources: mlx_dflash/metal in a wheel, the repository's metal/ when editable."""
-    here = Path(__file__).resolve().parent
-    for cand in (here / "metal", here.parent / "metal"):
-        if (cand / _METAL_FILE).is_file():
-            return cand
-    raise DFlashError(
-        f"The Metal kernel source {_METAL_FILE} is missing from this install; reinstall mlx-dflash."
-    )
-
-
 @lru_cache(maxsize=1)
 def kernel_sources() -> dict[str, str]:
     """The header and kernel bodies of gated_delta.metal, keyed by section name."""
-    text = (_metal_dir() / _METAL_FILE).read_text()
-    parts = re.split(r"^//// \[(.+?)\][ \t]*$\n?", text, flags=re.MULTILINE)
-    sections = {
-        name.removeprefix("kernel ").strip(): body
-        for name, body in zip(parts[1::2], parts[2::2], strict=True)
-    }
-    for need in _SECTIONS:
-        if need not in sections:
-            raise DFlashError(f"{_METAL_FILE} has no section [{need}]; the install is broken.")
-    return sections
+    return metal_kernels.read_sections(_METAL_FILE, _SECTIONS)
 
 
 def _kernel_factory() -> KernelFactory:
@@ -94,22 +69,8 @@ def _kernel_factory() -> KernelFactory:
     return mx.fast.metal_kernel
 
 
-_kernels: dict[tuple[Any, str], Any] = {}
-
-
 def _kernel(factory: KernelFactory, which: str) -> Any:
-    key = (factory, which)
-    if key not in _kernels:
-        src = kernel_sources()
-        inputs, outputs = _IO[which]
-        _kernels[key] = factory(
-            name=f"dflash_{which}",
-            input_names=list(inputs),
-            output_names=list(outputs),
-            source=src[which],
-            header=src["header"],
-        )
-    return _kernels[key]
+    return metal_kernels.cached_kernel(factory, which, kernel_sources, *_IO[which])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,25 +247,9 @@ def gdn_tape_replay(
 # Dispatch
 
 
-def _mode() -> str:
-    mode = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    if mode not in _MODES:
-        raise DFlashError(f"{ENV_VAR} must be one of {', '.join(_MODES)}, not {mode!r}.")
-    return mode
-
-
 def _metal_available() -> bool:
+    """Whether there is a Metal GPU (a function, so tests can simulate one for GDN alone)."""
     return mx.metal.is_available()
-
-
-def _metal_ready() -> bool:
-    if not _metal_available():
-        return False
-    try:
-        kernel_sources()
-    except DFlashError:
-        return False
-    return True
 
 
 def use_metal(supported: bool, what: str) -> bool:
@@ -313,38 +258,24 @@ def use_metal(supported: bool, what: str) -> bool:
     auto: the kernel when Metal is there and it takes the shape; reference: never; metal:
     always, and a clear error where it cannot run rather than a silent fallback.
     """
-    mode = _mode()
-    if mode == "reference":
-        return False
-    if mode == "metal":
-        if not _metal_available():
-            raise DFlashError(
-                f"{ENV_VAR}=metal needs a Metal GPU and none is available here; "
-                f"unset it or set {ENV_VAR}=reference."
-            )
-        if not supported:
-            raise DFlashError(
-                f"{ENV_VAR}=metal cannot run {what} (supported: Dk <= {MAX_KEY_DIM}, "
-                f"T <= {MAX_TREE}, Hv a multiple of Hk, float16/bfloat16/float32)."
-            )
-        return True
-    return supported and _metal_ready()
+    return metal_kernels.use_kernel(
+        ENV_VAR,
+        supported,
+        what,
+        f"Dk <= {MAX_KEY_DIM}, T <= {MAX_TREE}, Hv a multiple of Hk, float16/bfloat16/float32",
+        sources=kernel_sources,
+        available=_metal_available,
+    )
 
 
 def gdn_backend() -> str:
     """One line for `dflash-mlx doctor`: which Gated DeltaNet verify path runs, and why."""
-    try:
-        mode = _mode()
-    except DFlashError as exc:
-        return f"invalid: {exc}"
-    ref = "reference (MLX ops, one step per tree level)"
-    if mode == "reference":
-        return f"{ref}, forced by {ENV_VAR}=reference"
-    if not _metal_available():
-        if mode == "metal":
-            return f"none: {ENV_VAR}=metal but no Metal GPU is available (hybrid verify will fail)"
-        return f"{ref}: no Metal GPU"
-    if not _metal_ready():
-        return f"{ref}: Metal kernel source missing from the install"
-    how = f"forced by {ENV_VAR}=metal" if mode == "metal" else "reference for other shapes"
-    return f"metal gdn_tree_verify + gdn_tape_replay kernels (Dk <= {MAX_KEY_DIM}; {how})"
+    return metal_kernels.describe_backend(
+        ENV_VAR,
+        "reference (MLX ops, one step per tree level)",
+        "hybrid verify",
+        "metal gdn_tree_verify + gdn_tape_replay kernels",
+        f"Dk <= {MAX_KEY_DIM}",
+        sources=kernel_sources,
+        available=_metal_available,
+    )

@@ -12,18 +12,16 @@ Backend choice: DFLASH_ATTENTION=auto (default) | metal | reference.
 from __future__ import annotations
 
 import math
-import os
-import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
+from mlx_dflash import metal_kernels
 from mlx_dflash.errors import DFlashError
+from mlx_dflash.metal_kernels import KernelFactory
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -42,7 +40,6 @@ __all__ = [
 ]
 
 ENV_VAR = "DFLASH_ATTENTION"
-_MODES = ("auto", "metal", "reference")
 
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
@@ -55,6 +52,7 @@ TARGET_THREADGROUPS = 512  # enough threadgroups to keep a large Apple GPU busy
 MAX_SPLITS = 64
 
 _METAL_FILE = "tree_attention.metal"
+_SECTIONS = ("header", "tree_attention_fwd", "tree_attention_merge")
 _FWD_INPUTS = ("q", "k", "v", "parents", "scale")
 _FWD_OUTPUTS = ("o", "ml")
 _MERGE_INPUTS = ("part_o", "part_ml")
@@ -142,29 +140,10 @@ def tree_attention_reference(
 # Metal path
 
 
-def _metal_dir() -> Path:
-    """metal/ sources: mlx_dflash/metal in a wheel, the repository's metal/ when editable."""
-    here = Path(__file__).resolve().parent
-    for cand in (here / "metal", here.parent / "metal"):
-        if (cand / _METAL_FILE).is_file():
-            return cand
-    raise DFlashError(
-        f"The Metal kernel source {_METAL_FILE} is missing from this install; reinstall mlx-dflash."
-    )
-
-
 @lru_cache(maxsize=1)
 def kernel_sources() -> dict[str, str]:
     """The header and kernel bodies of tree_attention.metal, keyed by section name."""
-    text = (_metal_dir() / _METAL_FILE).read_text()
-    parts = re.split(r"^//// \[(.+?)\][ \t]*$\n?", text, flags=re.MULTILINE)
-    sections = {}
-    for name, body in zip(parts[1::2], parts[2::2], strict=True):
-        sections[name.removeprefix("kernel ").strip()] = body
-    for need in ("header", "tree_attention_fwd", "tree_attention_merge"):
-        if need not in sections:
-            raise DFlashError(f"{_METAL_FILE} has no section [{need}]; the install is broken.")
-    return sections
+    return metal_kernels.read_sections(_METAL_FILE, _SECTIONS)
 
 
 def row_budget(head_dim: int) -> int:
@@ -263,26 +242,18 @@ def plan_tree_attention(
     return TreeAttentionPlan(n_q_heads, n_kv_heads, tree_len, prefix_len, head_dim, hps, qb, splits)
 
 
-KernelFactory = Callable[..., Any]
-_kernels: dict[tuple[Any, str], Any] = {}
-
-
 def _kernel(factory: KernelFactory, which: str) -> Any:
     """Build (once per factory) the fwd or merge kernel object from the .metal sources."""
-    key = (factory, which)
-    if key not in _kernels:
-        src = kernel_sources()
-        fwd = which == "tree_attention_fwd"
-        _kernels[key] = factory(
-            name=f"dflash_{which}",
-            input_names=list(_FWD_INPUTS if fwd else _MERGE_INPUTS),
-            output_names=list(_FWD_OUTPUTS if fwd else _MERGE_OUTPUTS),
-            source=src[which],
-            header=src["header"],
-            # fwd reads q/k/v through their strides, so KV-cache slices are not copied.
-            ensure_row_contiguous=not fwd,
-        )
-    return _kernels[key]
+    fwd = which == "tree_attention_fwd"
+    return metal_kernels.cached_kernel(
+        factory,
+        which,
+        kernel_sources,
+        _FWD_INPUTS if fwd else _MERGE_INPUTS,
+        _FWD_OUTPUTS if fwd else _MERGE_OUTPUTS,
+        # fwd reads q/k/v through their strides, so KV-cache slices are not copied.
+        ensure_row_contiguous=not fwd,
+    )
 
 
 def tree_attention_metal(
@@ -345,23 +316,6 @@ def tree_attention_metal(
 # Dispatch
 
 
-def _mode() -> str:
-    mode = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    if mode not in _MODES:
-        raise DFlashError(f"{ENV_VAR} must be one of {', '.join(_MODES)}, not {mode!r}.")
-    return mode
-
-
-def _metal_ready() -> bool:
-    if not mx.metal.is_available():
-        return False
-    try:
-        kernel_sources()
-    except DFlashError:
-        return False
-    return True
-
-
 def metal_supported(q: mx.array, k: mx.array, v: mx.array) -> bool:
     """Whether the kernel takes these shapes and dtypes (it does not check for Metal)."""
     return (
@@ -383,41 +337,24 @@ def tree_attention(q: mx.array, k: mx.array, v: mx.array, parents: Any, scale: f
     parents: (T,) int, -1 for the root and parents[i] < i otherwise (a chain i - 1 is plain
     causal attention). Returns (1, Hq, T, D) in q's dtype, on the backend DFLASH_ATTENTION picks.
     """
-    mode = _mode()
-    if mode == "reference":
-        return tree_attention_reference(q, k, v, parents, scale)
-    if mode == "metal":
-        if not mx.metal.is_available():
-            raise DFlashError(
-                f"{ENV_VAR}=metal needs a Metal GPU and none is available here; "
-                f"unset it or set {ENV_VAR}=reference."
-            )
-        if not metal_supported(q, k, v):
-            raise DFlashError(
-                f"{ENV_VAR}=metal cannot run head dim {q.shape[-1]} / {q.dtype} "
-                f"(supported: head dims {SUPPORTED_HEAD_DIMS}, float16/bfloat16/float32)."
-            )
-        return tree_attention_metal(q, k, v, parents, scale)
-    if _metal_ready() and metal_supported(q, k, v):
+    if metal_kernels.use_kernel(
+        ENV_VAR,
+        metal_supported(q, k, v),
+        lambda: f"head dim {q.shape[-1]} / {q.dtype}",
+        f"head dims {SUPPORTED_HEAD_DIMS}, float16/bfloat16/float32",
+        sources=kernel_sources,
+    ):
         return tree_attention_metal(q, k, v, parents, scale)
     return tree_attention_reference(q, k, v, parents, scale)
 
 
 def attention_backend() -> str:
     """One line for `dflash-mlx doctor`: which tree-attention path runs, and why."""
-    try:
-        mode = _mode()
-    except DFlashError as exc:
-        return f"invalid: {exc}"
-    ref = "reference (mx.fast.scaled_dot_product_attention with an ancestor mask)"
-    if mode == "reference":
-        return f"{ref}, forced by {ENV_VAR}=reference"
-    if not mx.metal.is_available():
-        if mode == "metal":
-            return f"none: {ENV_VAR}=metal but no Metal GPU is available (tree attention will fail)"
-        return f"{ref}: no Metal GPU"
-    if not _metal_ready():
-        return f"{ref}: Metal kernel source missing from the install"
-    dims = "/".join(str(d) for d in SUPPORTED_HEAD_DIMS)
-    how = f"forced by {ENV_VAR}=metal" if mode == "metal" else "reference for other shapes"
-    return f"metal tree-attention kernel (head dims {dims}; {how})"
+    return metal_kernels.describe_backend(
+        ENV_VAR,
+        "reference (mx.fast.scaled_dot_product_attention with an ancestor mask)",
+        "tree attention",
+        "metal tree-attention kernel",
+        f"head dims {'/'.join(str(d) for d in SUPPORTED_HEAD_DIMS)}",
+        sources=kernel_sources,
+    )

@@ -53,3 +53,12 @@ def run_cli(monkeypatch, capsys) -> Callable[..., tuple[int, str, str]]:
         return code, captured.out, captured.err
 
     return run
+
+
+@pytest.fixture(scope="module")
+def harness():
+    """metal/harness/run_kernel.py as a module (tests/harness_util.py); skipped where there is
+    no C++ compiler."""
+    from harness_util import load_harness
+
+    return load_harness()

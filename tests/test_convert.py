@@ -414,24 +414,9 @@ def test_interrupt_after_weights_cleans_up(tmp_path, drafter, monkeypatch):
 # CLI
 
 
-def _main(monkeypatch, capsys, *args) -> tuple[int, str, str]:
-    from mlx_dflash import cli
-
-    monkeypatch.setattr(sys, "argv", ["dflash-mlx", *map(str, args)])
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as e:
-        code = e.code or 0
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def test_cli_convert_and_errors(tmp_path, drafter, monkeypatch, capsys):
+def test_cli_convert_and_errors(tmp_path, drafter, run_cli):
     out = tmp_path / "out"
-    code, stdout, _ = _main(
-        monkeypatch, capsys, "convert", drafter, "--out", out, "-q", "--dtype", "float32"
-    )
+    code, stdout, _ = run_cli("convert", drafter, "--out", out, "-q", "--dtype", "float32")
     assert code == 0 and "Wrote" in stdout
     assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 4
     for args in (
@@ -439,7 +424,7 @@ def test_cli_convert_and_errors(tmp_path, drafter, monkeypatch, capsys):
         ("convert", tmp_path / "missing", "--out", tmp_path / "o2"),
         ("convert", drafter, "--out", tmp_path / "o3", "--q-bits", "7", "-q"),
     ):
-        code, _, err = _main(monkeypatch, capsys, *args)
+        code, _, err = run_cli(*args)
         lines = err.strip().splitlines()
         assert code == 1 and len(lines) == 1 and lines[0].startswith("error: "), err
         assert "Traceback" not in err

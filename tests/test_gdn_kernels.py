@@ -4,20 +4,20 @@ the DFLASH_GDN dispatch in hybrid.py."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import mlx.core as mx
 import numpy as np
 import pytest
+from harness_util import (
+    chain,
+    check_generated_source,
+    check_sources_in_wheel_layout,
+    random_tree,
+    star,
+)
 
 from mlx_dflash import gdn_kernels as gk
 from mlx_dflash import hybrid
 from mlx_dflash.errors import DFlashError
-
-REPO = Path(__file__).resolve().parents[1]
-HARNESS_PY = REPO / "metal" / "harness" / "run_kernel.py"
 
 # Kernel and reference see the same rounded inputs and both accumulate in float32, so one
 # tolerance fits every input dtype; only the summation order differs.
@@ -26,37 +26,6 @@ ATOL, RTOL = 3e-5, 1e-4
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
-
-
-@pytest.fixture(scope="module")
-def harness():
-    """metal/harness/run_kernel.py as a module; skipped where there is no C++ compiler."""
-    name = "mlx_dflash_metal_harness"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, HARNESS_PY)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    mod = sys.modules[name]
-    try:
-        mod.compiler()
-    except mod.HarnessUnavailable as exc:
-        pytest.skip(str(exc))
-    return mod
-
-
-def random_tree(rng: np.random.Generator, t: int, window: int | None = None) -> np.ndarray:
-    """Parents drawn among all earlier nodes, or the last `window` ones (deeper trees)."""
-    lo = (lambda i: 0) if window is None else (lambda i: max(0, i - window))
-    return np.array([-1] + [int(rng.integers(lo(i), i)) for i in range(1, t)], dtype=np.int32)
-
-
-def chain(t: int) -> np.ndarray:
-    return np.arange(-1, t - 1, dtype=np.int32)
-
-
-def star(t: int) -> np.ndarray:
-    return np.array([-1] + [0] * (t - 1), dtype=np.int32)
 
 
 def bfs_tree(rng: np.random.Generator, t: int, depth: int) -> np.ndarray:
@@ -460,64 +429,22 @@ def test_doctor_reports_gdn_backend(monkeypatch):
 
 
 def test_kernel_sources_found_in_wheel_layout(monkeypatch, tmp_path):
-    pkg = tmp_path / "mlx_dflash"
-    (pkg / "metal").mkdir(parents=True)
-    text = (REPO / "metal" / "gated_delta.metal").read_text()
-    (pkg / "metal" / "gated_delta.metal").write_text(text)
-    monkeypatch.setattr(gk, "__file__", str(pkg / "gdn_kernels.py"))
-    gk.kernel_sources.cache_clear()
-    try:
-        assert gk._metal_dir() == pkg / "metal"
-        sources = gk.kernel_sources()
-        assert set(sources) >= {"header", "gdn_tree_verify", "gdn_tape_replay"}
-        assert "simd_sum" in sources["gdn_tree_verify"]
-        assert "//// [" not in "".join(sources.values())
-    finally:
-        gk.kernel_sources.cache_clear()
+    check_sources_in_wheel_layout(
+        monkeypatch, tmp_path, gk, "gated_delta.metal", ["gdn_tree_verify", "gdn_tape_replay"]
+    )
 
 
 def test_generated_source_is_what_installed_mlx_generates(harness, tmp_path):
     """Trace the real mx.fast.metal_kernel (export needs no GPU) and find the harness's
     rendering of both launches, byte for byte, in the exported graph."""
-    launches = []
-
-    def recording_factory(**spec):
-        kernel = mx.fast.metal_kernel(**spec)
-
-        def call(**kw):
-            launches.append((spec, kw))
-            return kernel(**kw)
-
-        return call
-
     rng = np.random.default_rng(3)
     parents = random_tree(rng, 5)
     q, k, v, g, beta, s0 = make_inputs(rng, 5, 4, 2, 64, 8, mx.bfloat16)
 
-    def fn(q, k, v, g, beta, s0):
-        y, delta = gk.gdn_tree_verify(
-            q, k, v, g, beta, s0, parents, kernel_factory=recording_factory
-        )
-        state = gk.gdn_tape_replay(s0, k, g, delta, [0, 1], kernel_factory=recording_factory)
+    def fn(q, k, v, g, beta, s0, kernel_factory):
+        y, delta = gk.gdn_tree_verify(q, k, v, g, beta, s0, parents, kernel_factory=kernel_factory)
+        state = gk.gdn_tape_replay(s0, k, g, delta, [0, 1], kernel_factory=kernel_factory)
         return y, state
 
-    path = tmp_path / "gdn.mlxfn"
-    try:
-        mx.export_function(str(path), fn, q, k, v, g, beta, s0)
-    except RuntimeError as exc:  # older MLX cannot trace custom kernels without Metal
-        pytest.skip(f"this MLX cannot export metal kernels here: {exc}")
-    blob = path.read_bytes()
-    names = [spec["name"] for spec, _ in launches]
+    names = check_generated_source(harness, tmp_path / "gdn.mlxfn", fn, q, k, v, g, beta, s0)
     assert names == ["dflash_gdn_tree_verify", "dflash_gdn_tape_replay"]
-    for spec, kw in launches:
-        text = harness.generate_source(
-            name=spec["name"],
-            input_names=spec["input_names"],
-            output_names=spec["output_names"],
-            source=spec["source"],
-            header=spec["header"],
-            inputs=kw["inputs"],
-            template=kw["template"],
-            output_dtypes=kw["output_dtypes"],
-        )
-        assert text.encode() in blob

@@ -3,19 +3,19 @@ through the CPU harness (metal/harness), the harness's own honesty, and backend 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import mlx.core as mx
 import numpy as np
 import pytest
+from harness_util import (
+    chain,
+    check_generated_source,
+    check_sources_in_wheel_layout,
+    random_tree,
+    star,
+)
 
 from mlx_dflash import tree_attention as ta
 from mlx_dflash.errors import DFlashError
-
-REPO = Path(__file__).resolve().parents[1]
-HARNESS_PY = REPO / "metal" / "harness" / "run_kernel.py"
 
 TOL = {  # (atol, rtol) against a float64 truth computed from the same rounded inputs
     mx.float32: (2e-5, 1e-4),
@@ -26,35 +26,6 @@ TOL = {  # (atol, rtol) against a float64 truth computed from the same rounded i
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
-
-
-@pytest.fixture(scope="module")
-def harness():
-    """metal/harness/run_kernel.py as a module; skipped where there is no C++ compiler."""
-    name = "mlx_dflash_metal_harness"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, HARNESS_PY)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    mod = sys.modules[name]
-    try:
-        mod.compiler()
-    except mod.HarnessUnavailable as exc:
-        pytest.skip(str(exc))
-    return mod
-
-
-def random_tree(rng: np.random.Generator, t: int) -> np.ndarray:
-    return np.array([-1] + [int(rng.integers(0, i)) for i in range(1, t)], dtype=np.int32)
-
-
-def chain(t: int) -> np.ndarray:
-    return np.arange(-1, t - 1, dtype=np.int32)
-
-
-def star(t: int) -> np.ndarray:
-    return np.array([-1] + [0] * (t - 1), dtype=np.int32)
 
 
 def walk_mask(parents: np.ndarray, prefix: int) -> np.ndarray:
@@ -307,46 +278,18 @@ def test_generated_signature_matches_mlx_layout(harness):
 def test_generated_source_is_what_installed_mlx_generates(harness, tmp_path):
     """Trace the real mx.fast.metal_kernel (export needs no GPU) and find the harness's
     rendering of each launch, byte for byte, in the exported graph."""
-    launches = []
-
-    def recording_factory(**spec):
-        kernel = mx.fast.metal_kernel(**spec)
-
-        def call(**kw):
-            launches.append((spec, kw))
-            return kernel(**kw)
-
-        return call
-
     rng = np.random.default_rng(2)
     q, k, v = make_qkv(rng, 6, 2, 3, 1000, 80, mx.bfloat16)  # long prefix: fwd + merge
     parents = mx.array(random_tree(rng, 3))
 
-    def fn(q, k, v, parents):
-        return ta.tree_attention_metal(q, k, v, parents, 0.1, kernel_factory=recording_factory)
+    def fn(q, k, v, parents, kernel_factory):
+        return ta.tree_attention_metal(q, k, v, parents, 0.1, kernel_factory=kernel_factory)
 
     path = tmp_path / "tree_attention.mlxfn"
-    try:
-        mx.export_function(str(path), fn, q, k, v, parents)
-    except RuntimeError as exc:  # older MLX cannot trace custom kernels without Metal
-        pytest.skip(f"this MLX cannot export metal kernels here: {exc}")
-    blob = path.read_bytes()
-    assert [spec["name"] for spec, _ in launches] == [
+    assert check_generated_source(harness, path, fn, q, k, v, parents) == [
         "dflash_tree_attention_fwd",
         "dflash_tree_attention_merge",
     ]
-    for spec, kw in launches:
-        text = harness.generate_source(
-            name=spec["name"],
-            input_names=spec["input_names"],
-            output_names=spec["output_names"],
-            source=spec["source"],
-            header=spec["header"],
-            inputs=kw["inputs"],
-            template=kw["template"],
-            output_dtypes=kw["output_dtypes"],
-        )
-        assert text.encode() in blob
 
 
 def run_small(harness, source, inputs, n_out, grid, tg, header="", dtype=mx.float32, **kw):
@@ -553,17 +496,10 @@ def test_dispatch_picks_kernel_when_metal_is_present(monkeypatch, harness, qkv_s
 
 
 def test_kernel_sources_found_in_wheel_layout(monkeypatch, tmp_path):
-    pkg = tmp_path / "mlx_dflash"
-    (pkg / "metal").mkdir(parents=True)
-    text = (REPO / "metal" / "tree_attention.metal").read_text()
-    (pkg / "metal" / "tree_attention.metal").write_text(text)
-    monkeypatch.setattr(ta, "__file__", str(pkg / "tree_attention.py"))
-    ta.kernel_sources.cache_clear()
-    try:
-        assert ta._metal_dir() == pkg / "metal"
-        sources = ta.kernel_sources()
-        assert set(sources) >= {"header", "tree_attention_fwd", "tree_attention_merge"}
-        assert "simd_sum" in sources["tree_attention_fwd"]
-        assert "//// [" not in "".join(sources.values())
-    finally:
-        ta.kernel_sources.cache_clear()
+    check_sources_in_wheel_layout(
+        monkeypatch,
+        tmp_path,
+        ta,
+        "tree_attention.metal",
+        ["tree_attention_fwd", "tree_attention_merge"],
+    )
