@@ -164,14 +164,18 @@ class DrafterRunner:
         emb = self.target.embed(block)
         if cfg.input_embedding_scale is not None:
             emb = emb * cfg.input_embedding_scale
-        h = self.drafter(emb, self.cache, start)[1 : n + 1]
-        logits = self.target.lm_head(h)
-        if cfg.output_multiplier is not None:
-            logits = logits * cfg.output_multiplier
-        if cfg.final_logit_softcapping is not None:
-            cap = cfg.final_logit_softcapping
-            logits = mx.tanh(logits / cap) * cap
-        return logits
+        return drafter_logits(cfg, self.target, self.drafter(emb, self.cache, start)[1 : n + 1])
+
+
+def drafter_logits(cfg: DrafterConfig, target, h: mx.array) -> mx.array:
+    """The target's LM head plus the drafter's optional output transforms."""
+    logits = target.lm_head(h)
+    if cfg.output_multiplier is not None:
+        logits = logits * cfg.output_multiplier
+    if cfg.final_logit_softcapping is not None:
+        cap = cfg.final_logit_softcapping
+        logits = mx.tanh(logits / cap) * cap
+    return logits
 
 
 def load_drafter(path: str | Path, num_target_layers: int | None = None) -> DFlashDrafter:

@@ -24,7 +24,7 @@ import numpy as np
 import typer
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .drafter import DFlashDrafter, DrafterRunner, init_drafter, load_drafter
+from .drafter import DFlashDrafter, DrafterRunner, drafter_logits, init_drafter, load_drafter
 from .drafter_config import DRAFTER_ARCHITECTURE, DrafterConfig, default_target_layer_ids
 from .errors import DFlashError
 
@@ -234,17 +234,6 @@ def drafter_blocks(
         h = h + a.o_proj(block_attention(a, q, ck, cv, bk, bv, masks[key]))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return drafter.norm(h).reshape(B, m, bs, -1)
-
-
-def drafter_logits(cfg: DrafterConfig, target, h: mx.array) -> mx.array:
-    """The target's LM head plus the drafter's optional output transforms (as in propose)."""
-    logits = target.lm_head(h)
-    if cfg.output_multiplier is not None:
-        logits = logits * cfg.output_multiplier
-    if cfg.final_logit_softcapping is not None:
-        cap = cfg.final_logit_softcapping
-        logits = mx.tanh(logits / cap) * cap
-    return logits
 
 
 def slot_weights(bs: int, gamma: float) -> mx.array:
