@@ -12,6 +12,7 @@ import gzip
 import json
 import os
 import platform
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -609,7 +610,8 @@ def bench_command(
     """Benchmark mlx-lm, AR, DFlash and DDTree side by side; writes JSON and a PNG plot."""
     from rich.console import Console
 
-    console = Console()
+    # Logs and pipes get the whole table rather than columns squeezed to 80 characters.
+    console = Console() if sys.stdout.isatty() else Console(width=200)
     err = Console(stderr=True)
     if out is None:
         out = Path("bench-results") / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
