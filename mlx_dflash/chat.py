@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 
 import typer
 
+from . import generate as opts
 from .engine import GenerationConfig, Session
 from .errors import DFlashError
 from .generate import Stats, check_mode, generation_config, load_pair, stream_generate
@@ -264,22 +265,18 @@ def run_chat(chat: Chat, io) -> None:
 
 
 def chat_command(
-    model: str = typer.Option(
-        None, "--model", "-m", help="Target folder or hub id (default: embedded stories260K)."
-    ),
-    drafter: str = typer.Option(None, "--drafter", "-d", help="DFlash drafter folder or hub id."),
+    model: str = opts.MODEL,
+    drafter: str = opts.DRAFTER,
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", min=1, help="Per answer."),
-    temp: float = typer.Option(0.0, "--temp", min=0.0, help="0 = greedy."),
-    top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0),
-    top_k: int = typer.Option(0, "--top-k", min=0),
-    seed: int = typer.Option(None, "--seed"),
-    mode: str = typer.Option("dflash", "--mode", help="dflash | ddtree | ar"),
-    block_size: int = typer.Option(None, "--block-size", help="At most the drafter's."),
-    budget: str = typer.Option("16", "--budget", help="DDTree node budget, or 'auto'."),
-    chat_template: bool = typer.Option(
-        None, "--chat-template/--no-chat-template", help="Default: use it when the model has one."
-    ),
-    system: str = typer.Option(None, "--system", help="System message."),
+    temp: float = opts.TEMP,
+    top_p: float = opts.TOP_P,
+    top_k: int = opts.TOP_K,
+    seed: int = opts.SEED,
+    mode: str = opts.MODE,
+    block_size: int = opts.BLOCK_SIZE,
+    budget: str = opts.BUDGET,
+    chat_template: bool = opts.CHAT_TEMPLATE,
+    system: str = opts.SYSTEM,
 ) -> None:
     """Chat with a model in the terminal (/help for commands); scriptable through stdin."""
     check_mode(mode)

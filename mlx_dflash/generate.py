@@ -171,22 +171,40 @@ def load_pair(model: str | None, drafter: str | None, mode: str = "dflash"):
     return target, DrafterRunner(draft_model, target)
 
 
+# Flags shared by generate and chat (one definition, one help text).
+MODEL = typer.Option(
+    None, "--model", "-m", help="Target folder or hub id (default: embedded stories260K)."
+)
+DRAFTER = typer.Option(
+    None, "--drafter", "-d", help="DFlash drafter folder or hub id (found for known targets)."
+)
+TEMP = typer.Option(0.0, "--temp", min=0.0, help="0 = greedy.")
+TOP_P = typer.Option(1.0, "--top-p", min=0.0, max=1.0)
+TOP_K = typer.Option(0, "--top-k", min=0)
+SEED = typer.Option(None, "--seed")
+MODE = typer.Option("dflash", "--mode", help="dflash | ddtree | ar")
+BLOCK_SIZE = typer.Option(None, "--block-size", help="At most the drafter's.")
+BUDGET = typer.Option("16", "--budget", help="DDTree node budget, or 'auto'.")
+CHAT_TEMPLATE = typer.Option(
+    None, "--chat-template/--no-chat-template", help="Default: use it when the model has one."
+)
+SYSTEM = typer.Option(None, "--system", help="System message (chat template).")
+
+
 def generate_command(
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text, or '-' to read stdin."),
-    model: str = typer.Option(
-        None, "--model", "-m", help="Target model folder (default: embedded stories260K)."
-    ),
-    drafter: str = typer.Option(None, "--drafter", "-d", help="DFlash drafter folder."),
+    model: str = MODEL,
+    drafter: str = DRAFTER,
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", min=1),
-    temp: float = typer.Option(0.0, "--temp", min=0.0, help="0 = greedy."),
-    top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0),
-    top_k: int = typer.Option(0, "--top-k", min=0),
-    seed: int = typer.Option(None, "--seed"),
-    mode: str = typer.Option("dflash", "--mode", help="dflash | ddtree | ar"),
-    block_size: int = typer.Option(None, "--block-size", help="At most the drafter's."),
-    budget: str = typer.Option("16", "--budget", help="DDTree node budget, or 'auto'."),
-    chat_template: bool = typer.Option(None, "--chat-template/--no-chat-template"),
-    system: str = typer.Option(None, "--system", help="System message (chat template)."),
+    temp: float = TEMP,
+    top_p: float = TOP_P,
+    top_k: int = TOP_K,
+    seed: int = SEED,
+    mode: str = MODE,
+    block_size: int = BLOCK_SIZE,
+    budget: str = BUDGET,
+    chat_template: bool = CHAT_TEMPLATE,
+    system: str = SYSTEM,
     as_json: bool = typer.Option(False, "--json", help="Print text and stats as one JSON object."),
     quiet_stats: bool = typer.Option(False, "--no-stats", help="Do not print the stats line."),
 ) -> None:
