@@ -107,3 +107,33 @@ def test_chain_budget_reproduces_dflash(target):
         )
     assert res["dflash"] == res["ddtree"]  # same tokens and the same tau every round
     assert res["dflash"][0] == ref
+
+
+def test_auto_budget_follows_verify_cost():
+    """Flat verify cost -> the whole tree; steep cost -> only the sure nodes."""
+    from mlx_dflash.ddtree import VerifyProfile, choose_budget
+
+    lp = np.log(np.array([[0.9, 0.05], [0.9, 0.05], [0.5, 0.4], [0.3, 0.3]]))
+    tree = build_tree(0, np.array([[1, 2]] * 4), lp, 16)
+    flat = VerifyProfile([1, 64], [1.0, 1.0])
+    steep = VerifyProfile([1, 64], [1.0, 64.0])
+    assert choose_budget(tree, flat, t_fixed=0.1) == len(tree.tokens) - 1
+    b = choose_budget(tree, steep, t_fixed=0.1)
+    assert 0 <= b <= 2  # only the two 0.9-probability chain nodes can pay for themselves
+    e = expected_tokens(tree)
+    rates = e / (0.1 + steep.cost(np.arange(len(e)) + 1))
+    assert b == int(np.argmax(rates))
+
+
+def test_auto_budget_exact_and_profile_cached(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    ref = mlx_lm_greedy(target, PROMPT, 40)
+    target.set_taps([0, 1])
+    oracle = OracleDrafter(PROMPT + ref, target.vocab_size, block_size=8, corrupt=0.3, seed=2)
+    out, _ = run(Session(target, oracle), PROMPT, max_tokens=40, mode="ddtree", budget="auto")
+    assert out == ref
+    profiles = list((tmp_path / "profiles").glob("*.json"))
+    assert len(profiles) == 1  # measured once per model and machine, then reused
+    before = profiles[0].stat().st_mtime_ns
+    run(Session(target, oracle), PROMPT, max_tokens=8, mode="ddtree", budget="auto")
+    assert profiles[0].stat().st_mtime_ns == before
