@@ -60,13 +60,16 @@ def test_stories260k_exact_over_many_rounds():
         int(t)
         for t, _ in generate_step(mx.array(ids), target.model, max_tokens=200, sampler=greedy)
     ]
-    for mode, budget in (("dflash", 16), ("ddtree", 4), ("ddtree", 32)):
+    # (mode, budget, tokens): the widest trees are the slowest on a CPU, so they run shorter.
+    runs = [("dflash", 16, 200), ("ddtree", 1, 100), ("ddtree", 4, 200), ("ddtree", 16, 200)]
+    runs += [("ddtree", 64, 100), ("ddtree", 256, 60)]
+    for mode, budget, n in runs:
         drafter.reset()
         out = []
-        cfg = GenerationConfig(max_tokens=200, mode=mode, budget=budget)
+        cfg = GenerationConfig(max_tokens=n, mode=mode, budget=budget)
         for r in generate_rounds(Session(target, drafter), ids, cfg):
             out += r.tokens
-        assert out == ref, mode
+        assert out == ref[:n], (mode, budget)
 
 
 @pytest.fixture(scope="module")
