@@ -180,7 +180,7 @@ def drafter_logits(cfg: DrafterConfig, target, h: mx.array) -> mx.array:
 
 def load_drafter(path: str | Path, num_target_layers: int | None = None) -> DFlashDrafter:
     """Load a (converted or published) drafter folder: config.json + safetensors."""
-    from .checkpoint import check_drafter_weights
+    from .checkpoint import check_drafter_weights, is_drafter_config
 
     path = Path(path)
     if not path.is_dir():
@@ -189,6 +189,11 @@ def load_drafter(path: str | Path, num_target_layers: int | None = None) -> DFla
     if not cfg_file.exists():
         raise DFlashError(f"No config.json in drafter folder '{path}'.")
     raw = json.loads(cfg_file.read_text())
+    if not is_drafter_config(raw):
+        raise DFlashError(
+            f"'{path}' is not a DFlash drafter (its config.json architectures do not list "
+            "DFlashDraftModel); pass a drafter folder to --drafter."
+        )
     cfg = DrafterConfig.from_dict(raw, num_target_layers=num_target_layers)
     files = sorted(path.glob("*.safetensors"))
     if not files:

@@ -95,6 +95,7 @@ def test_bad_inputs_end_in_one_sentence(run_cli, tmp_path, other_target):
         ("--prompt", STORY, "--drafter", corrupt): "model.safetensors",
         ("--prompt", STORY, "--mode", "ddtree", "--budget", "x"): "--budget",
         ("--prompt", STORY, "--model", other_target, "--drafter", DEFAULT_DRAFTER): "vocabulary",
+        ("--prompt", STORY, "--drafter", DEFAULT_TARGET): "not a DFlash drafter",
     }
     for args, needle in cases.items():
         code, _, err = run_cli("generate", *args)
