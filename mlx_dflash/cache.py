@@ -39,8 +39,11 @@ class KVCache:
         self.offset = needed
         return self.keys[..., :needed, :], self.values[..., :needed, :]
 
-    def rewindable_to(self, length: int) -> bool:
-        return True
+    def rewind_point(self, length: int) -> int:
+        return length
+
+    def snapshot(self) -> None:
+        """Nothing to do: a KV cache can always be trimmed."""
 
     def trim(self, length: int) -> None:
         """Forget every row from `length` on (rejected drafts)."""

@@ -66,12 +66,15 @@ class Session:
         limit = min(len(self.tokens), len(prompt) - 1)
         while n < limit and self.tokens[n] == prompt[n]:
             n += 1
-        if not all(c.rewindable_to(n) for c in self.cache):
-            n = 0  # recurrent layers cannot rewind arbitrarily: start over
+        if self.drafter is not None:
+            # The drafter can lag the target (a plain-decoding last step feeds it no taps).
+            n = min(n, self.drafter.context_len)
+        # Recurrent layers only rewind to a few points (see hybrid.RecurrentCache).
+        n = min([n] + [c.rewind_point(n) for c in self.cache])
         for c in self.cache:
             c.trim(n)
         if self.drafter is not None:
-            self.drafter.reset(min(n, self.drafter.context_len))
+            self.drafter.reset(n)
         self.tokens = self.tokens[:n]
         return prompt[n:]
 
@@ -85,13 +88,6 @@ def prefill(session: Session, prompt: list[int], cfg: GenerationConfig) -> tuple
     t0 = time.perf_counter()
     target, drafter = session.target, session.drafter
     new = session.rewind(prompt)
-    if drafter is not None and drafter.context_len < len(session.tokens):
-        # The drafter lags (e.g. previous turn ended at a stop token): rerun those taps too.
-        lag = len(session.tokens) - drafter.context_len
-        for c in session.cache:
-            c.trim(drafter.context_len)
-        new = session.tokens[-lag:] + new
-        session.tokens = session.tokens[:-lag]
     logits = None
     for i in range(0, len(new), cfg.prefill_chunk):
         chunk = new[i : i + cfg.prefill_chunk]
@@ -108,6 +104,8 @@ def prefill(session: Session, prompt: list[int], cfg: GenerationConfig) -> tuple
             drafter.add_context(taps)
         _sync((logits, [c.state_arrays for c in session.cache]))
         session.tokens.extend(chunk)
+    for c in session.cache:
+        c.snapshot()
     dt = time.perf_counter() - t0
     return logits, Round([], 0, 0, prefill=True, prefill_tokens=len(new), t_prefill=dt)
 

@@ -28,24 +28,40 @@ class RecurrentCache:
         self.state: mx.array | None = None  # (1, Hv, Dv, Dk) float32
         self.offset = 0
         self.pending = None  # tape of the last verify, until it is committed
+        self.snapshot_state = None  # (conv, state, offset) after the last prompt
 
-    def rewindable_to(self, length: int) -> bool:
-        if length >= self.offset or length == 0:
-            return True
+    def rewind_point(self, length: int) -> int:
+        """The longest prefix <= length this layer can return to: inside its last linear
+        verify, or the snapshot taken after the last prompt (what chat turns reuse), or 0."""
         p = self.pending
-        return p is not None and p["chain"] and p["start"] <= length
+        if length >= self.offset or (p is not None and p["chain"] and p["start"] <= length):
+            return length
+        snap = self.snapshot_state
+        return snap[2] if snap is not None and snap[2] <= length else 0
+
+    def snapshot(self) -> None:
+        """Remember the state here (after a prompt) so a later turn can rewind to it."""
+        if self.pending is None:
+            self.snapshot_state = (self.conv, self.state, self.offset)
 
     def reset(self) -> None:
-        self.conv = self.state = self.pending = None
+        self.conv = self.state = self.pending = self.snapshot_state = None
         self.offset = 0
 
     def trim(self, length: int) -> None:
-        """Keep the first `length` positions: within a linear verify, its accepted prefix."""
-        if self.pending is not None and self.pending["chain"] and length >= self.pending["start"]:
-            self.commit(list(range(min(length, self.offset) - self.pending["start"])))
+        """Keep the first `length` positions: within a linear verify, its accepted prefix;
+        else the snapshot when it sits exactly there; else only 0 (a fresh start)."""
+        p, snap = self.pending, self.snapshot_state
+        if p is not None and p["chain"] and length >= p["start"]:
+            self.commit(list(range(min(length, self.offset) - p["start"])))
+        elif length >= self.offset:
+            return
         elif length == 0:
             self.reset()
-        elif length < self.offset:
+        elif snap is not None and snap[2] == length:
+            self.conv, self.state, self.offset = snap
+            self.pending = None
+        else:
             raise DFlashError("A recurrent layer cannot rewind past its last verify.")
 
     def compact(self, start: int, keep) -> None:

@@ -112,7 +112,8 @@ def test_tree_verify_commits_the_accepted_path(target):
 
 
 def test_session_reuse_and_reset(target):
-    """Extending the prompt reuses the recurrent state; a diverging prompt starts over."""
+    """Extending the prompt reuses the recurrent state, a prompt that diverges in the answer
+    rewinds to the last prompt's snapshot, one that diverges earlier starts over."""
     ref1 = mlx_lm_greedy(target, PROMPT, 12)
     target.set_taps([1, 3])
     longer = PROMPT + ref1 + [4, 5]
@@ -124,7 +125,16 @@ def test_session_reuse_and_reset(target):
     rounds = list(generate_rounds(session, longer, GenerationConfig(max_tokens=12)))
     assert rounds[0].prefill_tokens <= 3
     assert [t for r in rounds for t in r.tokens] == refs[tuple(longer)]
+    # A prompt that diverges inside the last answer: back to the snapshot after the last
+    # prompt (chat's case), not to zero.
+    branch = longer + [7, 8]
+    refs[tuple(branch)] = mlx_lm_greedy(target, branch, 12)
+    oracle.truth = branch + refs[tuple(branch)]
+    rounds = list(generate_rounds(session, branch, GenerationConfig(max_tokens=12)))
+    assert rounds[0].prefill_tokens == 2
+    assert [t for r in rounds for t in r.tokens] == refs[tuple(branch)]
+    # Diverging before any snapshot: a full prefill.
     oracle.truth = other + refs[tuple(other)]
     rounds = list(generate_rounds(session, other, GenerationConfig(max_tokens=12)))
-    assert rounds[0].prefill_tokens == len(other)  # recurrent state cannot rewind: full prefill
+    assert rounds[0].prefill_tokens == len(other)
     assert [t for r in rounds for t in r.tokens] == refs[tuple(other)]
