@@ -11,6 +11,8 @@ the conv state from the accepted inputs. No full state per step is kept beyond o
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -18,6 +20,7 @@ from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_q
 
 from . import gdn_kernels
 from .errors import DFlashError
+from .tree_attention import tree_depths
 
 
 class RecurrentCache:
@@ -119,11 +122,21 @@ def conv_window_index(parents: np.ndarray, kernel: int) -> np.ndarray:
     Column K-1 is the node itself, column K-1-m its m-th ancestor; past the root the window
     continues into the pre-verify conv state, newest row (K-2) first.
     """
+    return _tree_layout(np.asarray(parents, dtype=np.int64).tobytes(), kernel)[0]
+
+
+def depth_levels(parents: np.ndarray) -> list[np.ndarray]:
+    """Node indices grouped by depth (root level first)."""
+    return _tree_layout(np.asarray(parents, dtype=np.int64).tobytes(), 1)[1]
+
+
+@lru_cache(maxsize=16)
+def _tree_layout(parents_bytes: bytes, kernel: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Conv windows and depth levels of one tree, computed once per verify, not per layer."""
+    parents = np.frombuffer(parents_bytes, dtype=np.int64)
     T = len(parents)
+    depth = tree_depths(parents)
     idx = np.zeros((T, kernel), dtype=np.int32)
-    depth = np.zeros(T, dtype=np.int64)
-    for i in range(1, T):
-        depth[i] = depth[parents[i]] + 1
     for i in range(T):
         node = i
         for m in range(kernel):
@@ -132,15 +145,8 @@ def conv_window_index(parents: np.ndarray, kernel: int) -> np.ndarray:
                 node = parents[node] if m < depth[i] else node
             else:
                 idx[i, kernel - 1 - m] = (kernel - 1) - (m - depth[i])
-    return idx
-
-
-def depth_levels(parents: np.ndarray) -> list[np.ndarray]:
-    """Node indices grouped by depth (root level first)."""
-    depth = np.zeros(len(parents), dtype=np.int64)
-    for i in range(1, len(parents)):
-        depth[i] = depth[parents[i]] + 1
-    return [np.nonzero(depth == d)[0] for d in range(int(depth.max()) + 1)]
+    levels = [np.nonzero(depth == d)[0] for d in range(int(depth.max()) + 1)]
+    return idx, levels
 
 
 def _repeat_heads(x: mx.array, heads: int) -> mx.array:

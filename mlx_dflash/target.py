@@ -21,7 +21,7 @@ import numpy as np
 from .cache import KVCache
 from .errors import DFlashError
 from .hybrid import RecurrentCache, gdn_forward
-from .tree_attention import tree_attention
+from .tree_attention import tree_attention, tree_depths
 
 
 @dataclass(frozen=True)
@@ -45,14 +45,6 @@ ARCHITECTURES: dict[str, AttentionSpec] = {
     "qwen3_next": AttentionSpec(qk_norm=True, gated=True),
 }
 ALIASES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
-
-
-def tree_depths(parents: np.ndarray) -> np.ndarray:
-    """Depth of every node (root = 0); parents come before children."""
-    depth = np.zeros(len(parents), dtype=np.int32)
-    for i in range(1, len(parents)):
-        depth[i] = depth[parents[i]] + 1
-    return depth
 
 
 class Target:

@@ -63,6 +63,14 @@ _MERGE_OUTPUTS = ("out",)
 # Reference path
 
 
+def tree_depths(parents: Any) -> np.ndarray:
+    """Depth of every node (root = 0); parents come before children."""
+    depth = np.zeros(len(parents), dtype=np.int32)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    return depth
+
+
 def validate_parents(parents: Any) -> np.ndarray:
     """Check the tree contract (root first, parents before children); returns int32 numpy."""
     p = np.asarray(parents)
