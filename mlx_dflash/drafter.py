@@ -167,9 +167,12 @@ class DrafterRunner:
         return drafter_logits(cfg, self.target, self.drafter(emb, self.cache, start)[1 : n + 1])
 
 
-def drafter_logits(cfg: DrafterConfig, target, h: mx.array) -> mx.array:
-    """The target's LM head plus the drafter's optional output transforms."""
-    logits = target.lm_head(h)
+def drafter_logits(cfg: DrafterConfig, target, h: mx.array, vocab: mx.array | None = None):
+    """The target's LM head plus the drafter's optional output transforms.
+
+    `vocab`: only these token ids' logits (training's sub-vocabulary loss), in that order.
+    """
+    logits = target.lm_head(h) if vocab is None else h @ target.lm_head_rows(vocab).T
     if cfg.output_multiplier is not None:
         logits = logits * cfg.output_multiplier
     if cfg.final_logit_softcapping is not None:

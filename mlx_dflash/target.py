@@ -90,6 +90,22 @@ class Target:
             return head(h)
         return self.inner.embed_tokens.as_linear(h)
 
+    def lm_head_rows(self, ids: mx.array) -> mx.array:
+        """The LM head's rows for `ids` (len(ids), H), dequantized: logits over a sub-vocabulary."""
+        owner = getattr(self.model, "language_model", self.model)
+        head = getattr(owner, "lm_head", None) or self.inner.embed_tokens
+        if not hasattr(head, "scales"):
+            return head.weight[ids]
+        biases = head.biases[ids] if getattr(head, "biases", None) is not None else None
+        return mx.dequantize(
+            head.weight[ids],
+            head.scales[ids],
+            biases,
+            group_size=head.group_size,
+            bits=head.bits,
+            mode=getattr(head, "mode", "affine"),
+        )
+
     def _attention(self, attn, x, cache: KVCache, start: int, positions, parents):
         T = x.shape[1]
         n_heads = getattr(attn, "n_heads", None) or attn.num_attention_heads

@@ -30,6 +30,7 @@ from .errors import DFlashError
 
 STATE_FILE = "trainer_state.json"
 OPT_FILE = "optimizer.npz"  # not *.safetensors: load_drafter reads those
+TAPS_FILE = "cache/taps.safetensors"  # in a subfolder: load_drafter reads OUT/*.safetensors
 
 
 @dataclass
@@ -49,6 +50,9 @@ class TrainConfig:
     eval_tokens: int = 96
     save_every: int = 0
     cache_taps: bool = False
+    loss_vocab: str = "full"  # "corpus": softmax over the response tokens + sampled negatives
+    precondition: bool = True  # train fc on taps scaled to unit mean |x| per feature
+    negatives: int = 1024
     extra: dict = field(default_factory=dict)
 
 
@@ -62,10 +66,15 @@ def new_drafter_config(
     block_size: int = 16,
     mask_token_id: int | None = None,
     heads: int | None = None,
+    window: int | None = None,
 ) -> DrafterConfig:
     """A fresh drafter shaped like the target's layers (same width, heads and MLP).
 
     `heads` overrides the head count (head_dim = hidden / heads): fewer heads train faster.
+    `window`: every layer sees only the last `window` positions (published `sliding_attention`
+    layers, bidirectional inside the block). With hundreds of context keys a fresh drafter's
+    attention starts uniform and spends hundreds of steps at unigram loss before it learns to
+    look at the last positions; a window gives it that locality from the first step.
     """
     tc = target.config
     hidden = target.hidden_size
@@ -89,10 +98,13 @@ def new_drafter_config(
         "rope_theta": float(tc.get("rope_theta", 10000.0)),
         "rope_scaling": tc.get("rope_scaling"),
         "num_target_layers": target.num_layers,
+        "layer_types": ["sliding_attention" if window else "full_attention"] * layers,
+        "sliding_window": window,
         "dflash_config": {
             "block_size": block_size,
             "mask_token_id": pick_mask_token(target) if mask_token_id is None else mask_token_id,
             "target_layer_ids": list(taps),
+            **({"is_causal": False} if window else {}),
         },
     }
     return DrafterConfig.from_dict(raw)
@@ -243,16 +255,24 @@ def slot_weights(bs: int, gamma: float) -> mx.array:
 
 
 def block_loss(drafter, target, batch: dict, gamma: float):
-    """Position-decayed cross-entropy over all blocks; also per-slot hits for the metrics."""
+    """Position-decayed cross-entropy over all blocks; also per-slot hits for the metrics.
+
+    With `batch["vocab"]` the softmax runs over that sub-vocabulary only (every label is in
+    it; `batch["lookup"]` maps token ids to its rows): a 49K-word LM head otherwise costs more
+    than the whole drafter on a CPU.
+    """
     cfg = drafter.cfg
     bs = cfg.block_size
     tokens, anchors, lengths = batch["tokens"], batch["anchors"], batch["lengths"]
     h = drafter_blocks(drafter, target, batch["taps"], tokens, anchors)
-    logits = drafter_logits(cfg, target, h[:, :, 1:]).astype(mx.float32)
+    vocab = batch.get("vocab")
+    logits = drafter_logits(cfg, target, h[:, :, 1:], vocab).astype(mx.float32)
     pos = anchors[..., None] + mx.arange(1, bs)  # (B, m, bs-1)
     labels = mx.take_along_axis(
         tokens, mx.minimum(pos, tokens.shape[1] - 1).reshape(pos.shape[0], -1), axis=1
     ).reshape(pos.shape)
+    if vocab is not None:
+        labels = batch["lookup"][labels]
     valid = (pos < lengths[:, None, None]).astype(mx.float32)
     w = slot_weights(bs, gamma) * valid
     ce = nn.losses.cross_entropy(logits, labels)
@@ -285,6 +305,7 @@ def make_batch(
         taps = target_taps(target, tok)
     else:
         taps = mx.stack([mx.pad(x, [(0, T - x.shape[0]), (0, 0)]) for x in taps])
+        taps = taps.astype(mx.float32)
     return {
         "tokens": tok,
         "anchors": mx.array(anchors),
@@ -293,22 +314,79 @@ def make_batch(
     }
 
 
-def cache_all_taps(target, recs: list[dict], max_len: int, group: int = 16) -> list[mx.array]:
-    """Every record's taps, once (small targets): groups of similar length share a pass."""
-    order = sorted(range(len(recs)), key=lambda i: len(recs[i]["tokens"]))
-    out: list[mx.array | None] = [None] * len(recs)
-    for g in range(0, len(order), group):
-        idx = order[g : g + group]
-        seqs = [recs[i]["tokens"][:max_len] for i in idx]
-        T = max(len(s) for s in seqs)
-        rows = np.zeros((len(seqs), T), dtype=np.int32)
-        for j, s in enumerate(seqs):
-            rows[j, : len(s)] = s
-        taps = target_taps(target, mx.array(rows))
-        mx.eval(taps)
-        for j, i in enumerate(idx):
-            out[i] = taps[j, : len(seqs[j])]
+def cache_all_taps(
+    target, recs: list[dict], max_len: int, group: int = 16, path: Path | None = None
+) -> list[mx.array]:
+    """Every record's taps, once: groups of similar length share a pass.
+
+    With `path` they are also kept on disk (float16, keyed by record id, tapped layers and
+    max_len), so a second run or a resumed one skips the target's forward passes entirely.
+    """
+    key = {"taps": ",".join(map(str, target.tap_ids)), "max_len": str(max_len)}
+    saved = _load_taps(path, key) if path is not None else {}
+    out: list[mx.array | None] = [saved.get(str(r["id"])) for r in recs]
+    for i, x in enumerate(out):
+        if x is not None and x.shape[0] != min(len(recs[i]["tokens"]), max_len):
+            out[i] = None  # a record that changed since the cache was written
+    todo = sorted((i for i, x in enumerate(out) if x is None), key=lambda i: len(recs[i]["tokens"]))
+    if not todo:
+        return out
+    with _progress(path is not None) as progress:
+        task = progress.add_task("target taps", total=len(todo), info="")
+        for g in range(0, len(todo), group):
+            idx = todo[g : g + group]
+            seqs = [recs[i]["tokens"][:max_len] for i in idx]
+            T = max(len(s) for s in seqs)
+            rows = np.zeros((len(seqs), T), dtype=np.int32)
+            for j, s in enumerate(seqs):
+                rows[j, : len(s)] = s
+            taps = target_taps(target, mx.array(rows)).astype(mx.float16)
+            mx.eval(taps)
+            for j, i in enumerate(idx):
+                out[i] = taps[j, : len(seqs[j])]
+            progress.advance(task, len(idx))
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        arrays = {str(r["id"]): x for r, x in zip(recs, out, strict=True)}
+        _atomic(path, lambda p: mx.save_safetensors(p, arrays, metadata=key))
     return out
+
+
+def _load_taps(path: Path, key: dict) -> dict:
+    """A tap cache written for the same tapped layers and max_len, else nothing."""
+    if not path.exists():
+        return {}
+    try:
+        arrays, meta = mx.load(str(path), return_metadata=True)
+    except (RuntimeError, ValueError):
+        return {}  # damaged: recomputed
+    return arrays if all(meta.get(k) == v for k, v in key.items()) else {}
+
+
+def tap_scale(taps: list[mx.array]) -> mx.array:
+    """1 / mean |x| of each tap feature, from (a sample of) the training taps.
+
+    Target residual streams carry a few features hundreds of times larger than the rest
+    (SmolLM2: mean |x| 340 against ~10, peaks of 25000). Fed raw to `fc`, under Adam's
+    per-weight step those columns move the output hundreds of times more per step than the
+    others, and the context stays noise (measured: loss stuck at 5.2 after 100 steps). fc has
+    no bias, so training `fc' = fc * diag(1/scale)` on `taps * scale` and saving `fc' * scale`
+    is the same drafter at inference, with every feature equally easy to learn.
+    """
+    total, count = None, 0
+    for x in taps[:256]:
+        a = mx.abs(x.astype(mx.float32)).sum(axis=0)
+        total = a if total is None else total + a
+        count += x.shape[0]
+    return 1.0 / mx.maximum(total / count, 1e-3)
+
+
+def loss_vocabulary(recs: list[dict], max_len: int) -> np.ndarray:
+    """Every token that is ever a label (response tokens), sorted."""
+    seen: set[int] = set()
+    for r in recs:
+        seen.update(r["tokens"][r["prompt_len"] + 1 : max_len])
+    return np.array(sorted(seen), dtype=np.int32)
 
 
 def usable(recs: list[dict], max_len: int) -> list[dict]:
@@ -412,15 +490,29 @@ class Trainer:
     step: int = 0
     opt_state: dict | None = None
     history: list[dict] = field(default_factory=list)
+    fresh: bool = False  # a new random drafter: its fc init is drawn in the preconditioned space
 
     def __post_init__(self):
         self.target.set_taps(self.drafter.cfg.target_layer_ids)
         self.records = usable(self.records, self.cfg.max_len)
         if not self.records:
             raise DFlashError("No training record has a response of at least two tokens.")
+        if self.cfg.loss_vocab not in ("full", "corpus"):
+            raise DFlashError(f"--loss-vocab is 'full' or 'corpus', not '{self.cfg.loss_vocab}'.")
         self.taps = None
         if self.cfg.cache_taps:
-            self.taps = cache_all_taps(self.target, self.records, self.cfg.max_len)
+            path = None if self.out is None else self.out / TAPS_FILE
+            self.taps = cache_all_taps(self.target, self.records, self.cfg.max_len, path=path)
+        self.vocab = None
+        if self.cfg.loss_vocab == "corpus":
+            self.vocab = loss_vocabulary(self.records, self.cfg.max_len)
+            self.others = np.setdiff1d(np.arange(self.target.vocab_size), self.vocab)
+        self.scale = None
+        if self.cfg.precondition:
+            taps = self.taps or [self.batch(0)["taps"][0]]
+            self.scale = tap_scale(taps)
+            if self.fresh:
+                self.drafter.fc.weight = self.drafter.fc.weight * self.scale
         self.opt = make_optimizer(self.cfg)
         if self.opt_state is not None:
             self.opt.state = self.opt_state
@@ -435,13 +527,27 @@ class Trainer:
         n = len(self.records)
         idx = rng.choice(n, size=self.cfg.batch, replace=n < self.cfg.batch)
         taps = None if self.taps is None else [self.taps[i] for i in idx]
-        return make_batch([self.records[i] for i in idx], rng, self.cfg, self.target, taps)
+        batch = make_batch([self.records[i] for i in idx], rng, self.cfg, self.target, taps)
+        if self.vocab is not None:
+            k = min(self.cfg.negatives, len(self.others))
+            vocab = np.concatenate([self.vocab, rng.choice(self.others, size=k, replace=False)])
+            lookup = np.zeros(self.target.vocab_size, dtype=np.int32)
+            lookup[vocab] = np.arange(len(vocab))
+            batch["vocab"], batch["lookup"] = mx.array(vocab), mx.array(lookup)
+        return batch
 
     def train_step(self) -> dict:
+        """One update; with preconditioning, in the scaled space (see `tap_scale`), and back."""
         batch = self.batch(self.step)
+        fc = self.drafter.fc
+        if self.scale is not None:
+            batch["taps"] = batch["taps"] * self.scale
+            fc.weight = fc.weight / self.scale
         (loss, (hits, valid)), grads = self._grad(self.drafter, batch)
         grads, norm = optim.clip_grad_norm(grads, self.cfg.clip)
         self.opt.update(self.drafter, grads)
+        if self.scale is not None:
+            fc.weight = fc.weight * self.scale
         mx.eval(loss, hits, valid, norm, self.drafter.parameters(), self.opt.state)
         self.step += 1
         return metrics(loss, hits, valid, norm)
@@ -615,6 +721,9 @@ def train_command(
     out: Path = typer.Option(..., "--out", "-o", help="Output folder: checkpoint and data."),
     layers: int = typer.Option(2, "--layers", min=1, help="Drafter decoder layers."),
     heads: int = typer.Option(None, "--heads", min=1, help="Drafter heads (default: target's)."),
+    window: int = typer.Option(
+        None, "--window", min=1, help="Sliding-window attention over the last N positions."
+    ),
     taps: str = typer.Option(None, "--taps", help="Tapped target layers, e.g. 1,3."),
     block_size: int = typer.Option(16, "--block-size", min=2),
     mask_token_id: int = typer.Option(None, "--mask-token-id", help="Default: unk/pad."),
@@ -635,6 +744,16 @@ def train_command(
     cache_taps: bool = typer.Option(
         None, "--cache-taps/--no-cache-taps", help="Keep all taps in memory (default: if < 2 GB)."
     ),
+    loss_vocab: str = typer.Option(
+        "full",
+        "--loss-vocab",
+        help="full, or corpus: softmax over the tokens the answers use plus --negatives "
+        "random others (much faster with a large vocabulary).",
+    ),
+    negatives: int = typer.Option(1024, "--negatives", min=0, help="See --loss-vocab."),
+    precondition: bool = typer.Option(
+        True, "--precondition/--no-precondition", help="Scale tap features to equal size for fc."
+    ),
     num_prompts: int = typer.Option(0, "--num-prompts", min=0, help="Use the first N (0: all)."),
     story_words: int = typer.Option(
         6, "--story-words", min=2, help="No --data, no chat template: openings of 2..N words."
@@ -643,6 +762,9 @@ def train_command(
     gen_max_tokens: int = typer.Option(256, "--gen-max-tokens", min=1),
     gen_batch: int = typer.Option(32, "--gen-batch", min=1),
     gen_only: bool = typer.Option(False, "--gen-only", help="Only answer prompts, no training."),
+    gen: bool = typer.Option(
+        True, "--gen/--no-gen", help="--no-gen: train on the answers already in OUT, answer none."
+    ),
     dequantize: bool = typer.Option(True, "--dequantize/--keep-quantized"),
     seed: int = typer.Option(0, "--seed"),
 ) -> None:
@@ -656,7 +778,11 @@ def train_command(
     train_prompts = prompts[: len(prompts) - eval_prompts]
     held_out = prompts[len(prompts) - eval_prompts :]
     shard = out / "answers.jsonl"
-    answer(target, train_prompts, shard, _parse_floats(gen_temps), gen_max_tokens, gen_batch, seed)
+    if gen:
+        temps = _parse_floats(gen_temps)
+        answer(target, train_prompts, shard, temps, gen_max_tokens, gen_batch, seed)
+    elif not shard.exists():
+        raise DFlashError(f"--no-gen needs answers in {shard}; run without it first.")
     if gen_only:
         typer.echo(f"Answers in {shard}")
         return
@@ -673,24 +799,28 @@ def train_command(
         eval_every=eval_every,
         eval_tokens=eval_tokens,
         save_every=save_every,
+        loss_vocab=loss_vocab,
+        negatives=negatives,
+        precondition=precondition,
     )
     records = load_records([shard])
-    opt_state, step = None, 0
+    opt_state, step, fresh = None, 0, False
     if resume and (out / "model.safetensors").exists():
         drafter, opt_state, step = load_checkpoint(out, target.num_layers)
     elif init is not None:
         drafter = load_drafter(init, num_target_layers=target.num_layers)
     else:
         dcfg = new_drafter_config(
-            target, layers, _parse_ints(taps), block_size, mask_token_id, heads
+            target, layers, _parse_ints(taps), block_size, mask_token_id, heads, window
         )
         drafter = init_drafter(dcfg, seed=seed)
+        fresh = True
     from .checkpoint import check_pair
 
     check_pair(drafter.cfg, target.config)
     if cache_taps is None:
         n_tok = sum(min(len(r["tokens"]), max_len) for r in records)
-        cache_taps = n_tok * drafter.cfg.num_taps * target.hidden_size * 4 < 2**31
+        cache_taps = n_tok * drafter.cfg.num_taps * target.hidden_size * 2 < 2**31
     cfg.cache_taps = cache_taps
     trainer = Trainer(
         target,
@@ -701,6 +831,7 @@ def train_command(
         eval_prompts=[encode(target.tokenizer, p) for p in held_out],
         step=step,
         opt_state=opt_state,
+        fresh=fresh,
     )
     t0 = time.perf_counter()
     trainer.run()

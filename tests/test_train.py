@@ -15,11 +15,16 @@ from mlx_dflash.target import load_target
 from mlx_dflash.train import (
     TrainConfig,
     Trainer,
+    block_loss,
+    cache_all_taps,
     drafter_blocks,
     drafter_logits,
     eval_tau,
     load_checkpoint,
+    loss_vocabulary,
+    make_batch,
     new_drafter_config,
+    tap_scale,
     target_taps,
 )
 from mlx_dflash.train_data import answer_prompts, encode, load_records, story_prompts
@@ -121,6 +126,115 @@ def test_checkpoint_converts_loads_and_resumes(target, data, tmp_path):
     assert json.loads((out / "trainer_state.json").read_text())["step"] == 6
 
 
+def _batch_with_vocab(target, recs, vocab):
+    rng = np.random.default_rng(0)
+    batch = make_batch(recs[:4], rng, TrainConfig(anchors=6), target)
+    lookup = np.zeros(target.vocab_size, dtype=np.int32)
+    lookup[vocab] = np.arange(len(vocab))
+    return batch, {**batch, "vocab": mx.array(vocab), "lookup": mx.array(lookup)}
+
+
+def test_sub_vocabulary_loss(target, data):
+    """The whole vocabulary in any order gives the full loss; a sub-vocabulary that holds every
+    label gives a lower one (fewer competitors), never a different label."""
+    recs, _, _ = data
+    drafter = init_drafter(small_cfg(target), seed=2)
+    target.set_taps(drafter.cfg.target_layer_ids)
+    perm = np.random.default_rng(1).permutation(target.vocab_size).astype(np.int32)
+    full, everything = _batch_with_vocab(target, recs, perm)
+    loss_full, (hits_full, valid) = block_loss(drafter, target, full, 7.0)
+    loss_perm, (hits_perm, _) = block_loss(drafter, target, everything, 7.0)
+    assert abs(loss_full.item() - loss_perm.item()) < 1e-4
+    assert mx.array_equal(hits_full, hits_perm)
+
+    vocab = loss_vocabulary(recs, 512)
+    assert len(vocab) < target.vocab_size
+    labels = {t for r in recs for t in r["tokens"][r["prompt_len"] + 1 :]}
+    assert labels == set(vocab.tolist())
+    _, sub = _batch_with_vocab(target, recs, vocab)
+    loss_sub, (hits_sub, _) = block_loss(drafter, target, sub, 7.0)
+    assert loss_sub.item() < loss_full.item()
+    assert (hits_sub >= hits_full).all().item()
+
+
+def test_corpus_vocabulary_training_reduces_loss(target, data):
+    recs, _, _ = data
+    drafter = init_drafter(small_cfg(target), seed=0)
+    cfg = TrainConfig(steps=12, lr=3e-3, warmup=2, batch=4, anchors=8, loss_vocab="corpus")
+    cfg.negatives = 16
+    trainer = Trainer(target, drafter, recs, cfg)
+    assert len(trainer.batch(0)["vocab"]) == len(trainer.vocab) + 16
+    first = trainer.train_step()["loss"]
+    for _ in range(10):
+        last = trainer.train_step()["loss"]
+    assert last < first - 0.5
+
+
+def test_preconditioning_is_the_same_drafter(target, data):
+    """Training fc on scaled taps and keeping `fc * scale` is exactly the inference drafter:
+    the loss of the stored weights on raw taps equals the loss the step optimised."""
+    recs, _, _ = data
+    drafter = init_drafter(small_cfg(target), seed=4)
+    init_fc = drafter.fc.weight
+    cfg = TrainConfig(steps=3, warmup=1, batch=4, anchors=4, cache_taps=True)
+    trainer = Trainer(target, drafter, recs, cfg, fresh=True)
+    scale = trainer.scale
+    assert mx.allclose(drafter.fc.weight, init_fc * scale)
+    scaled = mx.concatenate([x.astype(mx.float32) * scale for x in trainer.taps[:50]])
+    assert mx.allclose(mx.abs(scaled).mean(axis=0), mx.ones(scale.shape), rtol=0.2)
+    trainer.train_step()
+
+    raw = trainer.batch(trainer.step)
+    loss_raw, _ = block_loss(drafter, target, raw, cfg.gamma)
+    stored = drafter.fc.weight
+    drafter.fc.weight = stored / scale
+    loss_scaled, _ = block_loss(drafter, target, {**raw, "taps": raw["taps"] * scale}, cfg.gamma)
+    drafter.fc.weight = stored
+    assert abs(loss_raw.item() - loss_scaled.item()) < 1e-4
+    assert mx.allclose(tap_scale([mx.ones((3, 4)) * 5.0]), mx.full((4,), 0.2))
+
+
+def test_lm_head_rows_match_the_head(tmp_path):
+    """Sub-vocabulary logits equal the full head's columns, also for a quantized head."""
+    import mlx.nn as nn
+    from factories import write_tiny_target
+
+    for tied in (True, False):
+        path = write_tiny_target(tmp_path / f"t{tied}", "qwen3", tie_word_embeddings=tied)
+        for quantized in (False, True):
+            tgt = load_target(path)
+            if quantized:
+                nn.quantize(tgt.model, group_size=32, bits=4)
+            h = mx.random.normal((5, tgt.hidden_size), key=mx.random.key(0))
+            ids = mx.array([7, 0, 3, tgt.vocab_size - 1], dtype=mx.int32)
+            ref = tgt.lm_head(h)[:, ids]
+            assert mx.allclose(h @ tgt.lm_head_rows(ids).T, ref, atol=1e-4), (tied, quantized)
+
+
+def test_tap_cache_on_disk(target, data, tmp_path, monkeypatch):
+    """Taps are computed once, kept on disk, reused; other tapped layers recompute them."""
+    import mlx_dflash.train as train_mod
+
+    recs, _, _ = data
+    target.set_taps([1, 3])
+    path = tmp_path / "cache" / "taps.safetensors"
+    first = cache_all_taps(target, recs[:10], 512, group=4, path=path)
+    assert path.exists()
+    ref = target_taps(target, mx.array([recs[0]["tokens"]]))[0]
+    assert mx.allclose(first[0].astype(mx.float32), ref, atol=1e-2, rtol=1e-2)
+
+    def no_forward(*a, **k):
+        raise AssertionError("the cached taps should have been used")
+
+    monkeypatch.setattr(train_mod, "target_taps", no_forward)
+    again = cache_all_taps(target, recs[:10], 512, group=4, path=path)
+    assert all(mx.array_equal(a, b) for a, b in zip(first, again, strict=True))
+    monkeypatch.undo()
+    target.set_taps([2])
+    other = cache_all_taps(target, recs[:10], 512, group=4, path=path)
+    assert other[0].shape[-1] == target.hidden_size
+
+
 def test_answers_resume(target, tmp_path):
     """A second call answers only the prompts missing from the shard."""
     shard = tmp_path / "a.jsonl"
@@ -137,3 +251,29 @@ def _flat(model):
     from mlx.utils import tree_flatten
 
     return dict(tree_flatten(model.parameters()))
+
+
+def test_train_command_end_to_end(run_cli, tmp_path):
+    """The CLI: answer, train on a sub-vocabulary, keep taps on disk, then resume on the same
+    answers without answering again; bad flags end in one sentence."""
+    out = tmp_path / "run"
+    common = ["--out", out, "--layers", "1", "--taps", "2", "--block-size", "4", "--batch", "2",
+              "--anchors", "2", "--eval-every", "0", "--eval-prompts", "2", "--eval-tokens", "8",
+              "--loss-vocab", "corpus", "--negatives", "8"]  # fmt: skip
+    code, stdout, err = run_cli("train", *common, "--num-prompts", "10", "--gen-max-tokens", "12",
+                                "--steps", "2")  # fmt: skip
+    assert code == 0, err
+    assert "final eval tau" in stdout and (out / "model.safetensors").exists()
+    assert (out / "cache" / "taps.safetensors").exists()
+    answers = (out / "answers.jsonl").read_text()
+    assert len(answers.splitlines()) == 8
+
+    code, stdout, err = run_cli("train", *common, "--no-gen", "--resume", "--steps", "3")
+    assert code == 0, err
+    assert (out / "answers.jsonl").read_text() == answers
+    assert json.loads((out / "trainer_state.json").read_text())["step"] == 3
+
+    code, _, err = run_cli("train", "--out", tmp_path / "empty", "--no-gen", "--num-prompts", "12")
+    assert code != 0 and "--no-gen needs answers" in err and "Traceback" not in err
+    code, _, err = run_cli("train", *common, "--no-gen", "--steps", "1", "--loss-vocab", "some")
+    assert code != 0 and "--loss-vocab is 'full' or 'corpus'" in err
