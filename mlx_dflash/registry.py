@@ -25,6 +25,11 @@ DRAFTERS: dict[str, str] = {
     "moonshotai/Kimi-K2.5": "z-lab/Kimi-K2.5-DFlash",
 }
 
+# Drafters trained here (`dflash-mlx train`, training/README.md), shipped in mlx_dflash/assets.
+SHIPPED: dict[str, str] = {
+    "HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2-135m-instruct-dflash",
+}
+
 # Trailing tags that re-quantised or re-packaged copies add to the base model's name:
 # -MLX, -4bit, -bf16, -DWQ, -4bit-DWQ-053125, -mxfp4, -q4_K_M, ...
 _TAG = (
@@ -42,13 +47,20 @@ def base_name(model: str | Path) -> str:
     return _PREFIX.sub("", _SUFFIX.sub("", name)).lower()
 
 
+def known_drafters() -> dict[str, str]:
+    """Target id -> drafter hub id, or the folder of a drafter shipped with the package."""
+    assets = Path(__file__).parent / "assets"
+    return {**DRAFTERS, **{t: str(assets / d) for t, d in SHIPPED.items()}}
+
+
 def find_drafter(model: str | Path) -> str:
-    """The drafter id for a target id or folder name; a clear error when none is known."""
-    for target, drafter in DRAFTERS.items():
+    """The drafter id (or shipped folder) for a target id or folder name; else a clear error."""
+    known = known_drafters()
+    for target, drafter in known.items():
         if str(model).lower() == target.lower():
             return drafter
     name = base_name(model)
-    for target, drafter in DRAFTERS.items():
+    for target, drafter in known.items():
         if base_name(target) == name:
             return drafter
     raise DFlashError(f"No published DFlash drafter is known for '{model}'; pass --drafter.")

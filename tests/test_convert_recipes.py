@@ -382,6 +382,33 @@ def test_smollm2_chat_answer(smollm2_loaded):
     assert "Paris" in answer, answer
 
 
+def test_smollm2_shipped_drafter(smollm2, run_cli, tmp_path):
+    """A SmolLM2 folder finds the drafter trained here by its name; DFlash and DDTree output is
+    the target's own greedy text, and the drafter is trained."""
+    from mlx_dflash.registry import find_drafter
+
+    folder = tmp_path / "SmolLM2-135M-Instruct-Q4_1"
+    folder.symlink_to(smollm2[1], target_is_directory=True)
+    assert Path(find_drafter(folder)).name == "smollm2-135m-instruct-dflash"
+    prompt = (  # not a training prompt
+        "A baker makes 36 muffins in the morning and twice as many in the afternoon. He sells "
+        "50 muffins. How many muffins does he have left?"
+    )
+    runs = {}
+    for mode in ("ar", "dflash", "ddtree"):
+        extra = ["--budget", "4"] if mode == "ddtree" else []
+        code, out, err = run_cli(
+            "generate", "-m", folder, "-p", prompt, "-n", "40", "--mode", mode, "--json", *extra
+        )
+        assert code == 0, err
+        runs[mode] = json.loads(out.strip().splitlines()[-1])
+    assert runs["dflash"]["text"] == runs["ar"]["text"] == runs["ddtree"]["text"]
+    # measured on GSM8K (bench): tau 1.53 DFlash, 1.74 DDTree-4; a drafter that learnt only
+    # token frequencies gets ~1.08 (its tau on HumanEval), a random one 1.00
+    for mode in ("dflash", "ddtree"):
+        assert runs[mode]["mean_tau"] > 1.25, (mode, runs[mode]["mean_tau"])
+
+
 # --- synthetic GGUFs: qwen2 (NeoX RoPE, biases), llama (permuted rows), llama3 (rope_freqs) -------
 
 

@@ -4,6 +4,7 @@ the hub downloader is replaced by a function serving local tiny checkpoints)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from factories import drafter_config_dict, write_drafter_checkpoint, write_tiny_target
@@ -150,3 +151,23 @@ def test_incomplete_cache_folder(cache, monkeypatch):
     with pytest.raises(DFlashError, match="incomplete; delete it"):
         resolve_model("Qwen/Qwen3-8B", "target")
     assert calls == []
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "mlx-community/SmolLM2-135M-Instruct-8bit",
+        "models/smollm2-135m-instruct-f32",
+        "models/smollm2-135m-instruct",
+    ],
+)
+def test_shipped_drafter(name):
+    """The drafter trained here for SmolLM2-135M-Instruct ships in the package, shaped for it."""
+    from mlx_dflash.drafter_config import DrafterConfig
+
+    folder = find_drafter(name)
+    raw = json.loads((Path(folder) / "config.json").read_text())
+    cfg = DrafterConfig.from_dict(raw)
+    assert (cfg.hidden_size, cfg.vocab_size, cfg.num_target_layers) == (576, 49152, 30)
+    assert (Path(folder) / "model.safetensors").stat().st_size < 40 * 2**20
