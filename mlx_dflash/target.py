@@ -83,17 +83,20 @@ class Target:
     def embed(self, tokens: mx.array) -> mx.array:
         return self.inner.embed_tokens(tokens)
 
-    def lm_head(self, h: mx.array) -> mx.array:
+    def _untied_head(self):
+        """The model's own lm_head, or None when it is tied to the embeddings."""
         owner = getattr(self.model, "language_model", self.model)
-        head = getattr(owner, "lm_head", None)
+        return getattr(owner, "lm_head", None)
+
+    def lm_head(self, h: mx.array) -> mx.array:
+        head = self._untied_head()
         if head is not None:
             return head(h)
         return self.inner.embed_tokens.as_linear(h)
 
     def lm_head_rows(self, ids: mx.array) -> mx.array:
         """The LM head's rows for `ids` (len(ids), H), dequantized: logits over a sub-vocabulary."""
-        owner = getattr(self.model, "language_model", self.model)
-        head = getattr(owner, "lm_head", None) or self.inner.embed_tokens
+        head = self._untied_head() or self.inner.embed_tokens
         if not hasattr(head, "scales"):
             return head.weight[ids]
         biases = head.biases[ids] if getattr(head, "biases", None) is not None else None
