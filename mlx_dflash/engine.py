@@ -146,13 +146,18 @@ def dflash_round(session: Session, last: int, n: int, sampling, rng) -> Round:
     return Round(out, a + 1, n, t_draft=t1 - t0, t_verify=t2 - t1, t_other=time.perf_counter() - t2)
 
 
-def ar_round(session: Session, last: int, sampling, rng) -> Round:
-    """Plain decoding through the same adapter: the baseline."""
+def plain_round(session: Session, last: int, sampling, rng, feed_drafter: bool = False) -> Round:
+    """Plain decoding through the same adapter: the baseline, and DDTree's pause between drafts.
+
+    feed_drafter: also hand the drafter this position's taps, so drafting can resume next round.
+    """
     t0 = time.perf_counter()
     start = len(session.tokens)
-    logits, _ = session.target.forward(
-        mx.array([last]), session.cache, start, taps=False, rewindable=False
+    logits, taps = session.target.forward(
+        mx.array([last]), session.cache, start, taps=feed_drafter, rewindable=False
     )
+    if feed_drafter:
+        session.drafter.add_context(taps)
     tok = _pick(logits, sampling, rng)
     session.tokens.append(last)
     return Round([tok], 1, 0, t_verify=time.perf_counter() - t0)
@@ -195,7 +200,7 @@ def generate_rounds(session: Session, prompt: list[int], cfg: GenerationConfig) 
         remaining = cfg.max_tokens - emitted
         n = min(bs - 1, remaining - 1)  # never verify past max_tokens
         if cfg.mode == "ar" or n == 0:
-            rnd = ar_round(session, last, cfg.sampling, rng)
+            rnd = plain_round(session, last, cfg.sampling, rng)
         elif tree is not None:
             rnd = tree.round(last, n, rng)
         else:

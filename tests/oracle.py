@@ -23,7 +23,7 @@ class OracleDrafter:
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.corrupt = corrupt
-        self.rng = np.random.default_rng(seed)
+        self.seed = seed
         self.margin = margin
         self.context_len = 0
 
@@ -35,17 +35,18 @@ class OracleDrafter:
 
     def propose(self, last_token: int, start: int, n: int) -> mx.array:
         assert start == self.context_len, "engine fed the drafter out of sync"
-        logits = self.rng.normal(0, 0.1, size=(n, self.vocab_size)).astype(np.float32)
+        # Each slot's draws depend only on (seed, round start, position), not on how many
+        # slots the engine asks for: a DDTree that drafts only as deep as its budget sees
+        # the same distributions as one that drafts the whole block.
+        logits = np.zeros((n, self.vocab_size), dtype=np.float32)
         for k in range(n):
             pos = start + 1 + k
-            true = (
-                self.truth[pos]
-                if pos < len(self.truth)
-                else int(self.rng.integers(self.vocab_size))
-            )
-            wrong = int(self.rng.integers(self.vocab_size - 1))
+            rng = np.random.default_rng([self.seed, start, pos])
+            logits[k] = rng.normal(0, 0.1, size=self.vocab_size)
+            true = self.truth[pos] if pos < len(self.truth) else int(rng.integers(self.vocab_size))
+            wrong = int(rng.integers(self.vocab_size - 1))
             wrong += wrong >= true
-            top, second = (wrong, true) if self.rng.random() < self.corrupt else (true, wrong)
+            top, second = (wrong, true) if rng.random() < self.corrupt else (true, wrong)
             # Two clear candidates over a flat rest: p(top) ~ 0.88, p(second) ~ 0.12 at margin 2.
             logits[k, top] += 12.0
             logits[k, second] += 12.0 - self.margin

@@ -52,6 +52,21 @@ def test_heap_returns_the_most_probable_prefixes(seed):
         assert e[0] == 1 and np.all(np.diff(e) > 0)
 
 
+@pytest.mark.parametrize("k", [1, 4, 64, 3000])
+def test_top_candidates_host_and_mlx_paths_agree(k):
+    """The numpy path (MLX CPU backend) and the MLX path (Metal) pick the same candidates."""
+    rng = np.random.default_rng(k)
+    logits = mx.array(rng.normal(size=(5, 3000)).astype(np.float32) * 3)
+    full = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    host_tok, host_lp = top_candidates(logits, k, on_host=True)
+    mlx_tok, mlx_lp = top_candidates(logits, k, on_host=False)
+    np.testing.assert_array_equal(host_tok, mlx_tok)
+    np.testing.assert_allclose(host_lp, mlx_lp, atol=1e-5)
+    np.testing.assert_allclose(host_lp, np.take_along_axis(full, host_tok, axis=-1), atol=1e-5)
+    expect = np.argsort(-full, axis=-1, kind="stable")[:, : min(k, 3000)]
+    np.testing.assert_array_equal(host_tok, expect)
+
+
 @pytest.fixture(scope="module", params=TARGET_TYPES)
 def target(request, tmp_path_factory):
     target = load_target(write_tiny_target(tmp_path_factory.mktemp(request.param), request.param))
@@ -137,3 +152,62 @@ def test_auto_budget_exact_and_profile_cached(target, tmp_path, monkeypatch):
     before = profiles[0].stat().st_mtime_ns
     run(Session(target, oracle), PROMPT, max_tokens=8, mode="ddtree", budget="auto")
     assert profiles[0].stat().st_mtime_ns == before
+
+
+def test_pacer_backs_off_while_drafting_loses_and_resumes_when_it_wins():
+    from mlx_dflash.ddtree import Pacer
+
+    pacer = Pacer(plain_seconds=0.1)  # plain decoding: 10 tokens/s
+    waits = []
+    for _ in range(8):
+        assert pacer.draft_now()
+        pacer.record_tree(tokens=1, seconds=0.2)  # 5 tokens/s: drafting loses
+        n = 0
+        while not pacer.draft_now():
+            n += 1
+        waits.append(n)
+    assert waits == [1, 2, 4, 8, 16, 32, 32, 32]
+    for _ in range(3):
+        pacer.record_tree(tokens=4, seconds=0.2)  # 20 tokens/s: drafting wins
+    assert pacer.backoff == 1 and pacer.draft_now()
+    pacer.record_tree(tokens=4, seconds=0.2)
+    assert pacer.draft_now()  # winning rounds never pause
+    # Slow plain steps (measured, not the profile's guess) make drafting win sooner.
+    slow = Pacer(plain_seconds=0.1)
+    for _ in range(4):
+        slow.record_plain(1.0)
+    slow.record_tree(tokens=1, seconds=0.2)
+    assert slow.draft_now()
+
+
+def test_auto_budget_calibration_shrinks_trees_of_an_overconfident_drafter():
+    from mlx_dflash.ddtree import VerifyProfile, choose_budget
+
+    lp = np.log(np.array([[0.9, 0.05]] * 6))
+    tree = build_tree(0, np.array([[1, 2]] * 6), lp, 16)
+    prof = VerifyProfile([1, 2, 64], [1.0, 1.3, 20.0])
+    trusted = choose_budget(tree, prof, t_fixed=0.5)
+    assert trusted == 6  # the 0.9-chain
+    assert choose_budget(tree, prof, t_fixed=0.5, calibration=0.5) < trusted
+    assert choose_budget(tree, prof, t_fixed=0.5, calibration=0.2) == 0
+
+
+@pytest.mark.parametrize("pattern", ["TFFTFTTFFF", "FFFFFFFFFT", "TTTTTTTTTT"])
+def test_auto_budget_pauses_between_drafts_stay_exact(target, tmp_path, monkeypatch, pattern):
+    """Plain steps inside a DDTree run (the pacer's pauses) keep output and drafter exact.
+
+    The oracle asserts at every draft that its context matches the target's, so a pause that
+    forgot to feed the drafter fails here, for standard and hybrid targets alike.
+    """
+    from mlx_dflash.ddtree import Pacer
+
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    script = itertools.cycle(pattern)
+    monkeypatch.setattr(Pacer, "draft_now", lambda self: next(script) == "T")
+    ref = mlx_lm_greedy(target, PROMPT, N)
+    target.set_taps([0, 1])
+    oracle = OracleDrafter(PROMPT + ref, target.vocab_size, block_size=8, corrupt=0.3, seed=2)
+    out, taus = run(Session(target, oracle), PROMPT, max_tokens=N, mode="ddtree", budget="auto")
+    assert out == ref
+    if pattern.count("T") > 3:
+        assert max(taus) > 1  # the tree rounds between pauses still accept drafts
