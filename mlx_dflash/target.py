@@ -109,7 +109,7 @@ class Target:
             mode=getattr(head, "mode", "affine"),
         )
 
-    def _attention(self, attn, x, cache: KVCache, start: int, positions, parents):
+    def _attention(self, attn, x, cache: KVCache, start: int, positions, parents, masks):
         T = x.shape[1]
         n_heads = getattr(attn, "n_heads", None) or attn.num_attention_heads
         n_kv = getattr(attn, "n_kv_heads", None) or attn.num_key_value_heads
@@ -134,7 +134,7 @@ class Target:
             mask = "causal" if T > 1 else None
             out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=mask)
         else:
-            out = tree_attention(q, keys, values, parents, attn.scale)
+            out = tree_attention(q, keys, values, parents, attn.scale, masks)
         out = out.transpose(0, 2, 1, 3).reshape(1, T, -1)
         if gate is not None:
             out = out * mx.sigmoid(gate)
@@ -162,6 +162,7 @@ class Target:
             positions = mx.array(start + tree_depths(parents), dtype=mx.int32)
             parents = mx.array(parents, dtype=mx.int32)
         h = self.embed(tokens[None])
+        masks: dict = {}  # the tree's ancestor mask, built by the first attention layer
         tapped = []
         tap_set = set(self.tap_ids) if taps else set()
         for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
@@ -169,7 +170,7 @@ class Target:
             if _is_linear(layer):
                 r = gdn_forward(layer.linear_attn, x, c, start, np_parents, rewindable)
             else:
-                r = self._attention(layer.self_attn, x, c, start, positions, parents)
+                r = self._attention(layer.self_attn, x, c, start, positions, parents, masks)
             h = h + r
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if i in tap_set:

@@ -133,12 +133,19 @@ def _check_shapes(q: mx.array, k: mx.array, v: mx.array, parents_len: int) -> tu
 
 
 def tree_attention_reference(
-    q: mx.array, k: mx.array, v: mx.array, parents: Any, scale: float
+    q: mx.array, k: mx.array, v: mx.array, parents: Any, scale: float, masks: dict | None = None
 ) -> mx.array:
-    """MLX fused attention with the dense ancestor mask: the semantics the kernel must match."""
+    """MLX fused attention with the dense ancestor mask: the semantics the kernel must match.
+
+    `masks`: a dict shared by the layers of one verify, so the mask is built once, not per layer.
+    """
     p = _parents_array(parents)
     _, _, _, _, prefix = _check_shapes(q, k, v, int(p.shape[0]))
-    mask = ancestor_mask(p, prefix)
+    mask = None if masks is None else masks.get(prefix)
+    if mask is None:
+        mask = ancestor_mask(p, prefix)
+        if masks is not None:
+            masks[prefix] = mask
     k = k if k.dtype == q.dtype else k.astype(q.dtype)
     v = v if v.dtype == q.dtype else v.astype(q.dtype)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=float(scale), mask=mask)
@@ -338,12 +345,15 @@ def metal_supported(q: mx.array, k: mx.array, v: mx.array) -> bool:
     )
 
 
-def tree_attention(q: mx.array, k: mx.array, v: mx.array, parents: Any, scale: float) -> mx.array:
+def tree_attention(
+    q: mx.array, k: mx.array, v: mx.array, parents: Any, scale: float, masks: dict | None = None
+) -> mx.array:
     """Attention of the T tree tokens over the S-row prefix plus each token's ancestors.
 
     q: (1, Hq, T, D); k, v: (1, Hkv, S + T, D), prefix rows then tree rows in q's order;
     parents: (T,) int, -1 for the root and parents[i] < i otherwise (a chain i - 1 is plain
     causal attention). Returns (1, Hq, T, D) in q's dtype, on the backend DFLASH_ATTENTION picks.
+    `masks`: see `tree_attention_reference` (the kernel needs no mask).
     """
     if metal_kernels.use_kernel(
         ENV_VAR,
@@ -353,7 +363,7 @@ def tree_attention(q: mx.array, k: mx.array, v: mx.array, parents: Any, scale: f
         sources=kernel_sources,
     ):
         return tree_attention_metal(q, k, v, parents, scale)
-    return tree_attention_reference(q, k, v, parents, scale)
+    return tree_attention_reference(q, k, v, parents, scale, masks)
 
 
 def attention_backend() -> str:
