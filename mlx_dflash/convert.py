@@ -303,6 +303,8 @@ def convert_drafter(
     """Validate a DFlash drafter folder and write its MLX form into `out` (an existing folder)."""
     import mlx.core as mx
 
+    from .drafter import read_draft_vocab, write_draft_vocab
+
     raw = read_config(source, "drafter")
     target_cfg = None
     n_target = None
@@ -319,6 +321,7 @@ def convert_drafter(
     _check_readable(source)
     weights = strip_model_prefix(load_weights(source))
     check_drafter_weights(cfg, weights, source_quant)
+    vocab = read_draft_vocab(source, cfg.vocab_size)  # checked before anything is written
 
     dtype = _pick_dtype(dtype, raw)
     weights = _cast(weights, dtype)
@@ -338,6 +341,8 @@ def convert_drafter(
         config["quantization"] = {"group_size": quant["group_size"], "bits": quant["bits"]}
     save_weights(out, dict(sorted(weights.items())))
     _write_json(out / "config.json", config)
+    if vocab is not None:
+        write_draft_vocab(out, vocab)
     return cfg
 
 

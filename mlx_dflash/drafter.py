@@ -14,11 +14,18 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .cache import KVCache
 from .drafter_config import DrafterConfig
 from .errors import DFlashError
+
+# Optional, beside config.json: {"token_ids": [...]}, the only tokens this drafter proposes.
+# A drafter trained with a sub-vocabulary loss never learnt to rank the other tokens, and on a
+# CPU the LM head over the full vocabulary is most of a draft's cost (EAGLE-3's draft vocabulary
+# is the same idea). Other DFlash implementations ignore the file and use the full vocabulary.
+DRAFT_VOCAB_FILE = "draft_vocab.json"
 
 
 class DrafterAttention(nn.Module):
@@ -86,6 +93,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
         self.layers = [DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers)]
         self.norm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
+        self.draft_vocab: np.ndarray | None = None  # see DRAFT_VOCAB_FILE (numpy: not a weight)
 
     def block_mask(self, i: int, start: int, ctx_len: int, bs: int):
         """None (bidirectional, full context) or a boolean (bs, ctx_len + bs) mask."""
@@ -144,6 +152,10 @@ class DrafterRunner:
         self.target = target
         self.block_size = self.cfg.block_size
         self.cache = [KVCache() for _ in drafter.layers]
+        self.vocab = self.rows = None
+        if drafter.draft_vocab is not None:
+            self.vocab = mx.array(drafter.draft_vocab.astype(np.int32))
+            self.rows = target.lm_head_rows(self.vocab)  # gathered once: (S, H)
 
     @property
     def context_len(self) -> int:
@@ -164,15 +176,30 @@ class DrafterRunner:
         emb = self.target.embed(block)
         if cfg.input_embedding_scale is not None:
             emb = emb * cfg.input_embedding_scale
-        return drafter_logits(cfg, self.target, self.drafter(emb, self.cache, start)[1 : n + 1])
+        h = self.drafter(emb, self.cache, start)[1 : n + 1]
+        if self.vocab is None:
+            return drafter_logits(cfg, self.target, h)
+        sub = drafter_logits(cfg, self.target, h, rows=self.rows)
+        full = mx.full((n, self.target.vocab_size), -mx.inf, dtype=sub.dtype)
+        full[:, self.vocab] = sub  # tokens outside the draft vocabulary are never proposed
+        return full
 
 
-def drafter_logits(cfg: DrafterConfig, target, h: mx.array, vocab: mx.array | None = None):
+def drafter_logits(
+    cfg: DrafterConfig,
+    target,
+    h: mx.array,
+    vocab: mx.array | None = None,
+    rows: mx.array | None = None,
+):
     """The target's LM head plus the drafter's optional output transforms.
 
-    `vocab`: only these token ids' logits (training's sub-vocabulary loss), in that order.
+    `vocab`: only these token ids' logits (training's sub-vocabulary loss), in that order;
+    `rows`: their LM head rows, when the caller has them already.
     """
-    logits = target.lm_head(h) if vocab is None else h @ target.lm_head_rows(vocab).T
+    if rows is None and vocab is not None:
+        rows = target.lm_head_rows(vocab)
+    logits = target.lm_head(h) if rows is None else h @ rows.T
     if cfg.output_multiplier is not None:
         logits = logits * cfg.output_multiplier
     if cfg.final_logit_softcapping is not None:
@@ -223,7 +250,30 @@ def load_drafter(path: str | Path, num_target_layers: int | None = None) -> DFla
     except ValueError as e:
         raise DFlashError(f"Drafter weights in '{path}' do not match its config: {e}") from None
     mx.eval(model.parameters())
+    model.draft_vocab = read_draft_vocab(path, cfg.vocab_size)
     return model
+
+
+def read_draft_vocab(folder: Path, vocab_size: int | None) -> np.ndarray | None:
+    """The drafter folder's draft vocabulary (sorted unique token ids), or None."""
+    f = Path(folder) / DRAFT_VOCAB_FILE
+    if not f.exists():
+        return None
+    try:
+        ids = np.array(json.loads(f.read_text())["token_ids"], dtype=np.int64)
+    except (ValueError, KeyError, TypeError) as e:
+        raise DFlashError(f"Could not read {f}: {e}.") from None
+    if ids.ndim != 1 or not len(ids):
+        raise DFlashError(f"{f} must list at least one token id.")
+    if ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size):
+        raise DFlashError(f"{f} lists token ids outside the vocabulary of {vocab_size}.")
+    return np.unique(ids)
+
+
+def write_draft_vocab(folder: Path, ids) -> None:
+    (Path(folder) / DRAFT_VOCAB_FILE).write_text(
+        json.dumps({"token_ids": [int(i) for i in np.unique(np.asarray(ids))]})
+    )
 
 
 def init_drafter(cfg: DrafterConfig, seed: int = 0) -> DFlashDrafter:

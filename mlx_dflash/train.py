@@ -24,7 +24,15 @@ import numpy as np
 import typer
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .drafter import DFlashDrafter, DrafterRunner, drafter_logits, init_drafter, load_drafter
+from .drafter import (
+    DRAFT_VOCAB_FILE,
+    DFlashDrafter,
+    DrafterRunner,
+    drafter_logits,
+    init_drafter,
+    load_drafter,
+    write_draft_vocab,
+)
 from .drafter_config import DRAFTER_ARCHITECTURE, DrafterConfig, default_target_layer_ids
 from .errors import DFlashError
 
@@ -422,8 +430,13 @@ def eval_tau(drafter: DFlashDrafter, target, prompts: list[list[int]], max_token
 
 
 def save_checkpoint(out: Path, drafter: DFlashDrafter, opt, step: int, meta: dict) -> None:
-    """z-lab layout (config.json + model.safetensors) plus the optimizer state to resume."""
+    """z-lab layout (config.json + model.safetensors) plus the optimizer state to resume, and
+    the draft vocabulary when the drafter has one (see drafter.DRAFT_VOCAB_FILE)."""
     out.mkdir(parents=True, exist_ok=True)
+    if drafter.draft_vocab is not None:
+        write_draft_vocab(out, drafter.draft_vocab)
+    elif (out / DRAFT_VOCAB_FILE).exists():
+        (out / DRAFT_VOCAB_FILE).unlink()
     cfg = drafter.cfg.to_dict()
     cfg["torch_dtype"] = "float32"
     weights = dict(tree_flatten(drafter.parameters()))
@@ -504,6 +517,8 @@ class Trainer:
         if self.cfg.loss_vocab == "corpus":
             self.vocab = loss_vocabulary(self.records, self.cfg.max_len)
             self.others = np.setdiff1d(np.arange(self.target.vocab_size), self.vocab)
+        # Trained to rank only these tokens, it drafts only these (cheaper LM head at inference).
+        self.drafter.draft_vocab = self.vocab
         self.scale = None
         if self.cfg.precondition:
             self.scale = tap_scale(self.taps or self._first_batch_taps())

@@ -75,6 +75,28 @@ def test_ar_and_random_drafter_match_mlx_lm(target):
     assert all(1 <= t <= 8 for t in taus)
 
 
+@pytest.mark.parametrize("mode", ["dflash", "ddtree"])
+def test_draft_vocabulary_restricts_proposals_not_output(target, mode):
+    """A drafter with a draft vocabulary scores exactly those tokens as the full head would,
+    never proposes any other, and the output is still the target's own."""
+    ref = mlx_lm_greedy(target, PROMPT, N)
+    full = random_drafter(target)
+    vocab = np.unique(np.concatenate([ref[::2], np.arange(0, target.vocab_size, 3)]))
+    full.drafter.draft_vocab = vocab
+    restricted = DrafterRunner(full.drafter, target)
+    full.drafter.draft_vocab = None
+    for runner in (full, restricted):
+        runner.add_context(target.forward(mx.array(PROMPT), target.make_cache(), 0)[1])
+    a = np.array(full.propose(PROMPT[-1], len(PROMPT), 7))
+    b = np.array(restricted.propose(PROMPT[-1], len(PROMPT), 7))
+    np.testing.assert_allclose(b[:, vocab], a[:, vocab], rtol=1e-5, atol=1e-5)
+    outside = np.setdiff1d(np.arange(target.vocab_size), vocab)
+    assert np.isneginf(b[:, outside]).all()
+    restricted.reset(0)
+    out, taus = run(Session(target, restricted), PROMPT, max_tokens=N, mode=mode, budget=4)
+    assert out == ref
+
+
 @pytest.mark.parametrize("corrupt", [0.0, 0.15, 0.5, 1.0])
 def test_oracle_drafter_exact_at_every_acceptance_level(target, corrupt):
     ref = mlx_lm_greedy(target, PROMPT, N)

@@ -93,16 +93,19 @@ def exact_marginals(target, sampling, depth):
 
 
 @pytest.mark.parametrize(
-    "sampling,mode,budget",
+    "sampling,mode,budget,draft_vocab",
     [
-        (SamplingParams(1.0), "dflash", 0),
-        (SamplingParams(0.7, 0.9, 0), "dflash", 0),
-        (SamplingParams(1.3, 1.0, 6), "dflash", 0),
-        (SamplingParams(1.0), "ddtree", 6),
-        (SamplingParams(0.8, 0.95, 8), "ddtree", 3),
+        (SamplingParams(1.0), "dflash", 0, False),
+        (SamplingParams(0.7, 0.9, 0), "dflash", 0, False),
+        (SamplingParams(1.3, 1.0, 6), "dflash", 0, False),
+        (SamplingParams(1.0), "ddtree", 6, False),
+        (SamplingParams(0.8, 0.95, 8), "ddtree", 3, False),
+        # q is zero outside the draft vocabulary: those tokens come only from the residual.
+        (SamplingParams(1.0), "dflash", 0, True),
+        (SamplingParams(1.0), "ddtree", 6, True),
     ],
 )
-def test_emitted_distribution_matches_target(small_target, sampling, mode, budget):
+def test_emitted_distribution_matches_target(small_target, sampling, mode, budget, draft_vocab):
     target = small_target
     cfg = DrafterConfig(
         hidden_size=64,
@@ -119,6 +122,8 @@ def test_emitted_distribution_matches_target(small_target, sampling, mode, budge
     )
     target.set_taps(cfg.target_layer_ids)
     drafter = init_drafter(cfg, seed=5)
+    if draft_vocab:
+        drafter.draft_vocab = np.arange(0, V, 2)
     depth = 3
     samples, taus = [], []
     for seed in range(1500):

@@ -170,6 +170,34 @@ def test_corpus_vocabulary_training_reduces_loss(target, data):
     assert last < first - 0.5
 
 
+def test_corpus_trained_drafter_ships_its_draft_vocabulary(target, data, tmp_path):
+    """Trained to rank only the answers' tokens, the drafter drafts only those: the checkpoint
+    carries them (draft_vocab.json), `convert` keeps them, and a bad file is one clear error."""
+    from mlx_dflash.convert import convert
+    from mlx_dflash.errors import DFlashError
+
+    recs, _, _ = data
+    out = tmp_path / "ckpt"
+    cfg = TrainConfig(steps=2, warmup=1, batch=2, anchors=4, loss_vocab="corpus", negatives=4)
+    trainer = Trainer(target, init_drafter(small_cfg(target), seed=0), recs, cfg, out=out)
+    trainer.run(show=False)
+    converted = convert(out, tmp_path / "mlx", kind="drafter", target=DEFAULT_TARGET)
+    for folder in (out, converted):
+        loaded = load_drafter(folder, num_target_layers=target.num_layers)
+        np.testing.assert_array_equal(loaded.draft_vocab, trainer.vocab)
+    runner = DrafterRunner(loaded, target)
+    runner.add_context(target.forward(mx.array(recs[0]["tokens"][:9]), target.make_cache(), 0)[1])
+    logits = np.array(runner.propose(recs[0]["tokens"][8], 9, 3))
+    assert set(np.nonzero(np.isfinite(logits))[1]) <= set(trainer.vocab.tolist())
+    (converted / "draft_vocab.json").write_text('{"token_ids": [1, 99999]}')
+    with pytest.raises(DFlashError, match="outside the vocabulary"):
+        load_drafter(converted, num_target_layers=target.num_layers)
+    # Trained with the full-vocabulary loss: no draft vocabulary, and a stale one is removed.
+    drafter = init_drafter(small_cfg(target), seed=0)
+    Trainer(target, drafter, recs, TrainConfig(steps=1, warmup=0), out=out).run(show=False)
+    assert not (out / "draft_vocab.json").exists()
+
+
 def test_preconditioning_is_the_same_drafter(target, data):
     """Training fc on scaled taps and keeping `fc * scale` is exactly the inference drafter:
     the loss of the stored weights on raw taps equals the loss the step optimised."""
