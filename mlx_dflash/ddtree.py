@@ -277,12 +277,17 @@ class DDTree:
             self.pacer = Pacer(float(self.profile.cost(1)))
         self.t_fixed = 0.0  # running estimate of draft + bookkeeping time per round
         self.expected = self.realised = 0.0  # running extra tokens: predicted vs accepted
+        self.tree_rounds = 0
         self.budgets: list[int] = []
 
     @property
     def calibration(self) -> float:
-        """Accepted / predicted extra tokens so far (1 until there is evidence), in [0.1, 2]."""
-        if self.expected < 0.5:
+        """Accepted / predicted extra tokens so far (1 until there is evidence), in [0.1, 2].
+
+        Both running means start at 0 and decay alike, so their ratio needs no warm-up
+        correction; a few rounds keep one lucky round from deciding it.
+        """
+        if self.tree_rounds < 4 or self.expected <= 1e-6:
             return 1.0
         return float(np.clip(self.realised / self.expected, 0.1, 2.0))
 
@@ -333,6 +338,7 @@ class DDTree:
         if self.pacer is not None:
             self.expected = 0.9 * self.expected + 0.1 * (expected_tokens(tree)[-1] - 1.0)
             self.realised = 0.9 * self.realised + 0.1 * (len(path) - 1)
+            self.tree_rounds += 1
             self.pacer.record_tree(len(out), t3 - t0)
         return Round(
             out, len(path), len(tree.tokens) - 1, t_draft=t1 - t0, t_verify=t2 - t1, t_other=t3 - t2
