@@ -184,6 +184,7 @@ class Run:
     t_draft: float | None = None
     t_verify: float | None = None
     t_other: float | None = None
+    draft_rounds: int = 0
 
 
 def run_engine(target, runner, ids: list[int], cfg: GenerationConfig) -> Run:
@@ -202,6 +203,7 @@ def run_engine(target, runner, ids: list[int], cfg: GenerationConfig) -> Run:
         stats.t_draft,
         stats.t_verify,
         stats.t_other,
+        stats.draft_rounds,
     )
 
 
@@ -266,6 +268,7 @@ def summarize(runs: list[Run]) -> dict[str, Any]:
         "time_decode_s": t_dec,
         **split,
         "rounds": len(taus),
+        "draft_rounds": sum(r.draft_rounds for r in runs),
         "mean_tau": sum(taus) / len(taus) if taus else 0.0,
         "mean_tau_per_response": sum(per_response) / len(per_response) if per_response else 0.0,
         "tau_histogram": {str(k): v for k, v in sorted(Counter(taus).items())},

@@ -31,6 +31,7 @@ class Stats:
     t_verify: float = 0.0
     t_other: float = 0.0
     taus: list[int] = field(default_factory=list)
+    draft_rounds: int = 0  # rounds that ran the drafter (auto's pauses and plain steps do not)
     finish: str | None = None
 
     def add(self, r: Round) -> None:
@@ -40,6 +41,7 @@ class Stats:
             self.t_other += r.t_other  # sampling the first token
         else:
             self.taus.append(r.accepted)
+            self.draft_rounds += r.t_draft > 0
             self.t_draft += r.t_draft
             self.t_verify += r.t_verify
             self.t_other += r.t_other
@@ -68,6 +70,7 @@ class Stats:
             "generated_tokens": self.tokens,
             "generation_tps": gen_tps,
             "rounds": len(self.taus),
+            "draft_rounds": self.draft_rounds,
             "mean_tau": self.mean_tau,
             "tau_histogram": self.histogram,
             "time_draft_s": self.t_draft,

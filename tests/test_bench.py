@@ -70,6 +70,10 @@ def test_bench_writes_json_and_plot(pair, data_dir, tmp_path):
         assert sum(row["tau_histogram"].values()) == row["rounds"]
         if row["method"] in ("dflash", "ddtree:4"):
             assert row["time_draft_s"] > 0 and row["time_verify_s"] > 0
+            # Fixed budgets draft every round but, at most, the one making the last token.
+            assert row["rounds"] - row["prompts"] <= row["draft_rounds"] <= row["rounds"]
+        if row["method"] in ("mlx-lm", "ar"):
+            assert row["draft_rounds"] == 0
     assert "token-identical" in r.stdout and "gsm8k" in r.stdout
     if importlib.util.find_spec("matplotlib"):
         png = out.with_suffix(".png")
