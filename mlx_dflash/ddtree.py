@@ -220,7 +220,7 @@ class Pacer:
     Tree rounds and plain decoding steps each keep a running (tokens, seconds). When tree
     rounds fall behind plain steps, the next `wait` rounds are plain steps (which still feed
     the drafter its context, so it can resume at any round), then one tree round probes
-    again; `wait` doubles while drafting keeps losing, up to MAX_WAIT, and resets when it
+    again; `wait` doubles while drafting keeps losing, up to MAX_WAIT, and halves when it
     wins. On text the drafter cannot predict, that bounds the loss to one probe in
     MAX_WAIT + 1 rounds instead of paying for a draft every round.
     """
@@ -254,7 +254,9 @@ class Pacer:
         if self.tree[0] / self.tree[1] < self.plain[0] / self.plain[1]:
             self.wait, self.backoff = self.backoff, min(2 * self.backoff, self.MAX_WAIT)
         else:
-            self.backoff = 1
+            # Halved, not reset: one lucky probe on hard text must not restart every-round
+            # drafting; a run of wins brings it down to 1 within a few rounds.
+            self.backoff = max(1, self.backoff // 2)
 
 
 class DDTree:

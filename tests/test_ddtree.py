@@ -167,8 +167,10 @@ def test_pacer_backs_off_while_drafting_loses_and_resumes_when_it_wins():
             n += 1
         waits.append(n)
     assert waits == [1, 2, 4, 8, 16, 32, 32, 32]
-    for _ in range(3):
-        pacer.record_tree(tokens=4, seconds=0.2)  # 20 tokens/s: drafting wins
+    pacer.record_tree(tokens=4, seconds=0.2)  # 20 tokens/s: drafting wins
+    assert pacer.draft_now() and pacer.backoff == 16  # one win halves the back-off, no reset
+    for _ in range(4):
+        pacer.record_tree(tokens=4, seconds=0.2)
     assert pacer.backoff == 1 and pacer.draft_now()
     pacer.record_tree(tokens=4, seconds=0.2)
     assert pacer.draft_now()  # winning rounds never pause
