@@ -194,12 +194,11 @@ def test_auto_budget_calibration_shrinks_trees_of_an_overconfident_drafter():
     assert choose_budget(tree, prof, t_fixed=0.5, calibration=0.2) == 0
 
 
-@pytest.mark.parametrize("pattern", ["TFFTFTTFFF", "FFFFFFFFFT", "TTTTTTTTTT"])
-def test_auto_budget_pauses_between_drafts_stay_exact(target, tmp_path, monkeypatch, pattern):
-    """Plain steps inside a DDTree run (the pacer's pauses) keep output and drafter exact.
+def run_with_scripted_pauses(target, taps, pattern, monkeypatch, tmp_path):
+    """`--budget auto` with the pacer's draft/pause decisions scripted by pattern ("T" drafts).
 
-    The oracle asserts at every draft that its context matches the target's, so a pause that
-    forgot to feed the drafter fails here, for standard and hybrid targets alike.
+    Returns (output, mlx-lm's greedy reference, taus). The oracle asserts at every draft that
+    its context matches the target's, so a pause that forgot to feed the drafter fails here.
     """
     from mlx_dflash.ddtree import Pacer
 
@@ -207,9 +206,17 @@ def test_auto_budget_pauses_between_drafts_stay_exact(target, tmp_path, monkeypa
     script = itertools.cycle(pattern)
     monkeypatch.setattr(Pacer, "draft_now", lambda self: next(script) == "T")
     ref = mlx_lm_greedy(target, PROMPT, N)
-    target.set_taps([0, 1])
+    target.set_taps(taps)
     oracle = OracleDrafter(PROMPT + ref, target.vocab_size, block_size=8, corrupt=0.3, seed=2)
     out, taus = run(Session(target, oracle), PROMPT, max_tokens=N, mode="ddtree", budget="auto")
+    return out, ref, taus
+
+
+@pytest.mark.parametrize("pattern", ["TFFTFTTFFF", "FFFFFFFFFT", "TTTTTTTTTT"])
+def test_auto_budget_pauses_between_drafts_stay_exact(target, tmp_path, monkeypatch, pattern):
+    """Plain steps inside a DDTree run (the pacer's pauses) keep output and drafter exact
+    (test_hybrid runs the same on recurrent targets)."""
+    out, ref, taus = run_with_scripted_pauses(target, [0, 1], pattern, monkeypatch, tmp_path)
     assert out == ref
     if pattern.count("T") > 3:
         assert max(taus) > 1  # the tree rounds between pauses still accept drafts

@@ -62,17 +62,9 @@ def test_speculative_greedy_exact(target, mode, budget):
 @pytest.mark.parametrize("pattern", ["TFFTFTTFFF", "FFFFFFFFFT"])
 def test_auto_budget_pauses_between_drafts_stay_exact(target, tmp_path, monkeypatch, pattern):
     """Plain steps between tree verifies (the pacer's pauses) leave recurrent state exact."""
-    import itertools
+    from test_ddtree import run_with_scripted_pauses
 
-    from mlx_dflash.ddtree import Pacer
-
-    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
-    script = itertools.cycle(pattern)
-    monkeypatch.setattr(Pacer, "draft_now", lambda self: next(script) == "T")
-    ref = mlx_lm_greedy(target, PROMPT, N)
-    target.set_taps([1, 3])
-    oracle = OracleDrafter(PROMPT + ref, target.vocab_size, block_size=8, corrupt=0.3, seed=2)
-    out, taus = run(Session(target, oracle), PROMPT, max_tokens=N, mode="ddtree", budget="auto")
+    out, ref, taus = run_with_scripted_pauses(target, [1, 3], pattern, monkeypatch, tmp_path)
     assert out == ref
     assert taus.count(1) < len(taus)  # some tree rounds accepted drafts
 
