@@ -111,17 +111,24 @@ def batch_generate(
     t = mx.array(temps, dtype=mx.float32)
     logits = model(mx.array(rows), cache=cache)[:, -1, :]
     out: list[list[int]] = [[] for _ in range(B)]
-    done = np.zeros(B, dtype=bool)
+    live = np.arange(B)  # the rows still answering, in the cache's current order
     stop_arr = np.array(sorted(stop), dtype=np.int64)
     for _ in range(max_tokens):
         tok = _pick(logits.astype(mx.float32), t)
         mx.eval(tok)
         toks = np.array(tok)
-        for i in np.flatnonzero(~done):
-            out[i].append(int(toks[i]))
-        done |= np.isin(toks, stop_arr)
-        if done.all():
+        for j, i in enumerate(live):
+            out[i].append(int(toks[j]))
+        going = ~np.isin(toks, stop_arr)
+        if not going.any():
             break
+        if not going.all():
+            # Finished rows leave the batch: a third of GSM8K answers run to max_tokens, and
+            # computing the others' padding until then was ~27% of the work.
+            keep = mx.array(np.flatnonzero(going))
+            for c in cache:
+                c.filter(keep)
+            live, tok, t = live[going], tok[keep], t[keep]
         logits = model(tok[:, None], cache=cache)[:, -1, :]
     return out
 

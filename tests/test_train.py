@@ -27,7 +27,13 @@ from mlx_dflash.train import (
     tap_scale,
     target_taps,
 )
-from mlx_dflash.train_data import answer_prompts, encode, load_records, story_prompts
+from mlx_dflash.train_data import (
+    answer_prompts,
+    batch_generate,
+    encode,
+    load_records,
+    story_prompts,
+)
 
 
 @pytest.fixture(scope="module")
@@ -273,6 +279,23 @@ def test_answers_resume(target, tmp_path):
     assert ids == [0, 1, 2]
     rec = json.loads(shard.read_text().splitlines()[0])
     assert rec["tokens"][: rec["prompt_len"]] == encode(target.tokenizer, prompts[rec["id"]])
+
+
+def test_batched_answers_equal_one_at_a_time(target):
+    """Rows that stop early leave the batch; the others' greedy answers must not change."""
+    tok = target.tokenizer
+    prompts = [encode(tok, p) for p in ["Once upon a time", "Tom had a big", "The sun", "Lily"]]
+    alone = [batch_generate(target.model, [p], [0.0], 24, set())[0] for p in prompts]
+    # Stop on a token some answers reach early and others late or never.
+    firsts = {}
+    for a in alone:
+        for k, t in enumerate(a[1:], 1):
+            firsts.setdefault(t, []).append(k)
+    stop = min(firsts, key=lambda t: (abs(len(firsts[t]) - 2), min(firsts[t])))
+    want = [a[: a.index(stop) + 1] if stop in a else a for a in alone]
+    assert len({len(w) for w in want}) > 1  # rows really leave at different steps
+    got = batch_generate(target.model, prompts, [0.0] * 4, 24, {stop})
+    assert got == want
 
 
 def _flat(model):
