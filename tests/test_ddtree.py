@@ -182,6 +182,23 @@ def test_pacer_backs_off_while_drafting_loses_and_resumes_when_it_wins():
     assert slow.draft_now()
 
 
+def test_pacer_keeps_drafting_through_noisy_rounds_that_win_on_average():
+    """Accepted lengths 3, 1, 1, ... at 0.14 s a round beat 10 tokens/s on average (11.9):
+    single bad rounds must not pause drafting (a one-round average would pause every third)."""
+    from mlx_dflash.ddtree import Pacer
+
+    pacer = Pacer(plain_seconds=0.1)
+    for tokens in [3, 1, 1] * 10:
+        assert pacer.draft_now()
+        pacer.record_tree(tokens=tokens, seconds=0.14)
+    # ...but a real change of text (the drafter stops predicting) still pauses it soon.
+    losing = 0
+    while pacer.draft_now():
+        pacer.record_tree(tokens=1, seconds=0.14)
+        losing += 1
+    assert losing <= 3
+
+
 def test_auto_budget_calibration_shrinks_trees_of_an_overconfident_drafter():
     from mlx_dflash.ddtree import VerifyProfile, choose_budget
 
