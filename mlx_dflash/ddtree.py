@@ -240,14 +240,13 @@ class Pacer:
         self.plain = (1.0, float(plain_seconds))
         self.wait = 0
         self.backoff = 1
-        self.paused = self.probing = False
+        self.probing = False  # the next tree round follows a pause
 
     def draft_now(self) -> bool:
         if self.wait > 0:
             self.wait -= 1
-            self.paused = True
+            self.probing = True
             return False
-        self.probing, self.paused = self.paused, False
         return True
 
     @staticmethod
@@ -257,10 +256,12 @@ class Pacer:
         return ((1 - a) * old[0] + a * tokens, (1 - a) * old[1] + a * seconds)
 
     def record_plain(self, seconds: float) -> None:
+        # A plain step always yields one token: its time is not noisy enough to need ALPHA.
         self.plain = self._ema(self.plain, 1.0, seconds, self.PROBE_ALPHA)
 
     def record_tree(self, tokens: int, seconds: float) -> None:
         a = self.PROBE_ALPHA if self.probing else self.ALPHA
+        self.probing = False
         self.tree = self._ema(self.tree, tokens, seconds, a)
         if self.tree[0] / self.tree[1] < self.plain[0] / self.plain[1]:
             self.wait, self.backoff = self.backoff, min(2 * self.backoff, self.MAX_WAIT)
