@@ -250,20 +250,26 @@ def check_pair(drafter_cfg: DrafterConfig, target_cfg: dict[str, Any]) -> None:
 
 
 def read_drafter(
-    folder: str | Path, target_cfg: dict[str, Any] | None = None
+    folder: str | Path,
+    target_cfg: dict[str, Any] | None = None,
+    num_target_layers: int | None = None,
 ) -> tuple[DrafterConfig, dict[str, mx.array]]:
     """Resolve and validate a drafter folder (z-lab export or `convert` output).
 
     With `target_cfg` (the target's raw config.json) missing tap ids are derived from its
-    layer count and the pair is checked. Weights stay lazy and keep their stored dtype.
+    layer count and the pair is checked; `num_target_layers` alone only derives the taps.
+    Weights stay lazy and keep their stored dtype.
     """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DFlashError(f"The drafter folder {folder} does not exist.")
     raw = read_config(folder, "drafter")
     if not is_drafter_config(raw):
         raise DFlashError(
             f"{folder} is not a DFlash drafter (its config.json architectures do not list "
-            f"{DRAFTER_ARCHITECTURE})."
+            f"{DRAFTER_ARCHITECTURE}); pass a drafter folder to --drafter."
         )
-    n_target = None
+    n_target = num_target_layers
     if target_cfg is not None:
         n_target = text_config(target_cfg).get("num_hidden_layers")
     cfg = DrafterConfig.from_dict(raw, num_target_layers=n_target)

@@ -208,35 +208,17 @@ def drafter_logits(
     return logits
 
 
-def load_drafter(path: str | Path, num_target_layers: int | None = None) -> DFlashDrafter:
-    """Load a (converted or published) drafter folder: config.json + safetensors."""
-    from .checkpoint import check_drafter_weights, is_drafter_config
+def load_drafter(
+    path: str | Path, num_target_layers: int | None = None, target_config: dict | None = None
+) -> DFlashDrafter:
+    """Load a (converted or published) drafter folder, validated by `checkpoint.read_drafter`
+    (with `target_config`, against its target too)."""
+    from .checkpoint import read_drafter
 
     path = Path(path)
-    if not path.is_dir():
-        raise DFlashError(f"Drafter folder '{path}' does not exist.")
-    cfg_file = path / "config.json"
-    if not cfg_file.exists():
-        raise DFlashError(f"No config.json in drafter folder '{path}'.")
-    raw = json.loads(cfg_file.read_text())
-    if not is_drafter_config(raw):
-        raise DFlashError(
-            f"'{path}' is not a DFlash drafter (its config.json architectures do not list "
-            "DFlashDraftModel); pass a drafter folder to --drafter."
-        )
-    cfg = DrafterConfig.from_dict(raw, num_target_layers=num_target_layers)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise DFlashError(f"No .safetensors weights in drafter folder '{path}'.")
-    weights = {}
-    for f in files:
-        try:
-            weights.update(mx.load(str(f)))
-        except Exception as e:  # mlx raises RuntimeError/ValueError for corrupt files
-            raise DFlashError(f"Could not read drafter weights '{f.name}': {e}") from None
-    weights = {k.removeprefix("model."): v for k, v in weights.items()}
+    cfg, weights = read_drafter(path, target_config, num_target_layers)
     model = DFlashDrafter(cfg)
-    quant = raw.get("quantization")
+    quant = json.loads((path / "config.json").read_text()).get("quantization")
     if quant:
         nn.quantize(
             model,
@@ -244,12 +226,11 @@ def load_drafter(path: str | Path, num_target_layers: int | None = None) -> DFla
             bits=quant["bits"],
             class_predicate=lambda p, m: isinstance(m, nn.Linear) and f"{p}.scales" in weights,
         )
-    check_drafter_weights(cfg, weights, quant)
     try:
         model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise DFlashError(f"Drafter weights in '{path}' do not match its config: {e}") from None
-    mx.eval(model.parameters())
+        mx.eval(model.parameters())
+    except (ValueError, RuntimeError) as e:
+        raise DFlashError(f"Could not load the drafter weights in {path}: {e}") from None
     model.draft_vocab = read_draft_vocab(path, cfg.vocab_size)
     return model
 

@@ -73,6 +73,9 @@ class Stats:
             "draft_rounds": self.draft_rounds,
             "mean_tau": self.mean_tau,
             "tau_histogram": self.histogram,
+            # Round by round, to compare with other implementations (the last rounds draft
+            # no further than the remaining token budget, so they may be shorter).
+            "acceptance_lengths": list(self.taus),
             "time_draft_s": self.t_draft,
             "time_verify_s": self.t_verify,
             "time_other_s": self.t_other,
@@ -166,10 +169,7 @@ def load_pair(model: str | None, drafter: str | None, mode: str = "dflash"):
 
         drafter = find_drafter(model)
     drafter_path = resolve_model(drafter, "drafter", target=target_path)
-    draft_model = load_drafter(drafter_path, num_target_layers=target.num_layers)
-    from .checkpoint import check_pair
-
-    check_pair(draft_model.cfg, target.config)
+    draft_model = load_drafter(drafter_path, target_config=target.config)
     target.set_taps(draft_model.cfg.target_layer_ids)
     return target, DrafterRunner(draft_model, target)
 

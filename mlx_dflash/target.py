@@ -9,7 +9,6 @@ rope, MLP/MoE) from one loop here; what differs per architecture is declared in 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .cache import KVCache
+from .checkpoint import is_drafter_config, read_config, text_config
 from .errors import DFlashError
 from .hybrid import RecurrentCache, gdn_forward
 from .tree_attention import tree_attention, tree_depths
@@ -44,28 +44,55 @@ ARCHITECTURES: dict[str, AttentionSpec] = {
     "qwen3_5_moe": AttentionSpec(qk_norm=True, gated=True),
     "qwen3_next": AttentionSpec(qk_norm=True, gated=True),
 }
-ALIASES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+# Text-only exports of the multimodal Qwen3.5 / 3.6 checkpoints name their language model's own
+# type; mlx-lm builds both layouts from the wrapper's module (its ModelArgs accepts a flat config).
+TEXT_MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+
+
+def architecture(config: dict) -> str:
+    """The ARCHITECTURES key (and mlx-lm module) for a raw config.json, or one sentence why not.
+
+    Published Qwen3.5 / 3.6 checkpoints wrap the language model (`model_type: qwen3_5`, its
+    fields under `text_config`, whose own type is `qwen3_5_text`); either spelling maps here.
+    """
+    if is_drafter_config(config):
+        raise DFlashError(
+            "This is a DFlash drafter, not a target model: pass it with --drafter, and the "
+            "model it drafts for with --model."
+        )
+    names = [config.get("model_type"), text_config(config).get("model_type")]
+    for name in names:
+        name = TEXT_MODEL_TYPES.get(name, name)
+        if name in ARCHITECTURES:
+            return name
+    shown = next((n for n in names if n), "unknown")
+    supported = ", ".join(sorted(ARCHITECTURES))
+    raise DFlashError(f"Target architecture '{shown}' is not supported (supported: {supported}).")
+
+
+def model_classes(config: dict):
+    """mlx-lm's (Model, ModelArgs) for a config, text-only Qwen3.5 exports included."""
+    from mlx_lm.utils import _get_classes
+
+    return _get_classes({**config, "model_type": architecture(config)})
 
 
 class Target:
     """A loaded mlx-lm model plus the bits the engine needs: taps, caches, a flexible forward."""
 
     def __init__(self, model: nn.Module, tokenizer: Any, config: dict, tap_ids=()):
+        """`config` is the folder's config.json as written (nested or flat)."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
-        self.model_type = ALIASES.get(config.get("model_type", ""), config.get("model_type", ""))
-        if self.model_type not in ARCHITECTURES:
-            supported = ", ".join(sorted(ARCHITECTURES))
-            raise DFlashError(
-                f"Target architecture '{self.model_type}' is not supported (supported: {supported})."
-            )
+        self.text_config = text_config(config)
+        self.model_type = architecture(config)
         self.spec = ARCHITECTURES[self.model_type]
         self.inner = model.model
         self.layers = self.inner.layers
         self.num_layers = len(self.layers)
-        self.hidden_size = int(config["hidden_size"])
-        self.vocab_size = int(config["vocab_size"])
+        self.hidden_size = int(self.text_config["hidden_size"])
+        self.vocab_size = int(self.text_config["vocab_size"])
         self.set_taps(tap_ids)
 
     def set_taps(self, tap_ids) -> None:
@@ -191,33 +218,31 @@ def _is_linear(layer) -> bool:
     return bool(getattr(layer, "is_linear", False))
 
 
-def read_config(path: Path) -> dict:
-    cfg_path = Path(path) / "config.json"
-    if not cfg_path.exists():
-        raise DFlashError(f"No config.json in '{path}': is this a model folder?")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise DFlashError(f"'{cfg_path}' is not valid JSON ({e.msg}).") from None
-    return cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg
-
-
 def load_target(path: str | Path) -> Target:
-    """Load a target folder with mlx-lm (quantized or not) and wrap it."""
-    from mlx_lm.utils import load as mlx_load
+    """Load a target folder with mlx-lm (any published layout, quantized or not) and wrap it.
+
+    The architecture is checked from config.json before any weight is read, so an unsupported
+    model or a drafter passed as the target fails in one sentence.
+    """
+    from mlx_lm.utils import load_model, load_tokenizer
 
     path = Path(path)
-    if not path.exists():
+    if not path.is_dir():
         raise DFlashError(f"Target model folder '{path}' does not exist.")
-    config = read_config(path)
-    model_type = config.get("model_type", "")
-    if model_type not in ARCHITECTURES:
-        supported = ", ".join(sorted(ARCHITECTURES))
-        raise DFlashError(
-            f"Target architecture '{model_type}' is not supported (supported: {supported})."
-        )
+    config = read_config(path, "target")
+    architecture(config)
     try:
-        model, tokenizer = mlx_load(str(path))
+        model, config = load_model(path, get_model_classes=model_classes)
+        tokenizer = load_tokenizer(path, eos_token_ids=text_eos(config))
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
-        raise DFlashError(f"Could not load the target model from '{path}': {e}") from None
+        msg = " ".join(str(e).split())
+        if len(msg) > 300:
+            msg = msg[:300] + "..."
+        raise DFlashError(f"Could not load the target model from '{path}': {msg}") from None
     return Target(model, tokenizer, config)
+
+
+def text_eos(config: dict):
+    """The end-of-sequence id(s): top level, else the wrapped language model's."""
+    eos = config.get("eos_token_id")
+    return eos if eos is not None else text_config(config).get("eos_token_id")

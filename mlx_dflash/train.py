@@ -82,7 +82,7 @@ def new_drafter_config(
     `window`: every layer sees only the last `window` positions (published `sliding_attention`
     layers, bidirectional inside the block): fewer keys to choose from, and cheaper layers.
     """
-    tc = target.config
+    tc = target.text_config
     hidden = target.hidden_size
     t_heads = int(tc["num_attention_heads"])
     t_kv = int(tc.get("num_key_value_heads") or t_heads)
