@@ -96,8 +96,53 @@ def _snapshot_download(repo_id: str) -> str:
     return snapshot_download(repo_id=repo_id, allow_patterns=HUB_PATTERNS)
 
 
-def resolve_source(source: str | Path) -> Path:
-    """A local folder as is; anything shaped like `org/name` that is not one comes from the hub."""
+def _download_config(repo_id: str) -> str:
+    """config.json alone (a few KB): read before any weight is fetched. Tests replace it."""
+    from huggingface_hub import hf_hub_download
+
+    return hf_hub_download(repo_id=repo_id, filename="config.json")
+
+
+def _from_hub(fetch, repo_id: str) -> Path:
+    """Run a hub download, turning its many failure types into one sentence each."""
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    try:
+        return Path(fetch(repo_id))
+    except GatedRepoError as e:
+        raise DFlashError(
+            f"The hub model {repo_id} is gated; accept its terms and log in with `hf auth login`."
+        ) from e
+    except RepositoryNotFoundError as e:
+        raise DFlashError(
+            f"{repo_id} is neither a local folder nor a model on the Hugging Face hub."
+        ) from e
+    except Exception as e:  # offline, DNS, timeouts, proxies: all mean the same to the user
+        raise DFlashError(
+            f"Could not reach the Hugging Face hub to fetch {repo_id} (and no local folder of "
+            "that name exists); pass a local folder instead."
+        ) from e
+
+
+def check_config(cfg: dict[str, Any], kind: str = "auto") -> str:
+    """The kind of checkpoint a config.json describes, after checking that it can run here:
+    a target's architecture is supported, a drafter is a DFlash drafter. Returns the kind."""
+    from .target import architecture
+
+    kind = detect_kind(cfg, kind)
+    if kind == "target":
+        architecture(cfg)
+    elif not is_drafter_config(cfg):
+        raise DFlashError(
+            "This is not a DFlash drafter (its config.json architectures do not list "
+            "DFlashDraftModel); pass a drafter to --drafter."
+        )
+    return kind
+
+
+def resolve_source(source: str | Path, kind: str = "auto") -> Path:
+    """A local folder as is; anything shaped like `org/name` that is not one comes from the hub,
+    whose config.json is fetched and checked (`check_config`) before any weight."""
     path = Path(source).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -105,23 +150,12 @@ def resolve_source(source: str | Path) -> Path:
         return path
     if not _REPO_ID.match(str(source)):
         raise DFlashError(f"The source folder {source} does not exist.")
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
-
+    config = _from_hub(_download_config, str(source))
     try:
-        return Path(_snapshot_download(str(source)))
-    except GatedRepoError as e:
-        raise DFlashError(
-            f"The hub model {source} is gated; accept its terms and log in with `hf auth login`."
-        ) from e
-    except RepositoryNotFoundError as e:
-        raise DFlashError(
-            f"{source} is neither a local folder nor a model on the Hugging Face hub."
-        ) from e
-    except Exception as e:  # offline, DNS, timeouts, proxies: all mean the same to the user
-        raise DFlashError(
-            f"Could not reach the Hugging Face hub to fetch {source} (and no local folder of "
-            "that name exists); pass a local folder instead."
-        ) from e
+        check_config(read_config(config.parent), kind)
+    except DFlashError as e:
+        raise DFlashError(f"{source}: {e}") from None
+    return _from_hub(_snapshot_download, str(source))
 
 
 def _check_out(source: Path, out: Path, force: bool) -> None:
@@ -353,8 +387,10 @@ def convert_drafter(
 def _load_target(source: Path):
     from mlx_lm.utils import load_model
 
+    from .target import model_classes
+
     try:
-        return load_model(source, lazy=True)
+        return load_model(source, lazy=True, get_model_classes=model_classes)
     except (ValueError, KeyError, TypeError, FileNotFoundError, AttributeError) as e:
         msg = " ".join(str(e).split()).rstrip(".") or type(e).__name__
         if len(msg) > 200:
@@ -377,7 +413,12 @@ def convert_target(
     from mlx.utils import tree_flatten, tree_map_with_path
     from mlx_lm.utils import quantize_model, save_config
 
-    read_config(source, "target")
+    from .target import architecture
+
+    cfg = read_config(source, "target")
+    if is_drafter_config(cfg):
+        raise DFlashError(f"{source} is a DFlash drafter, not a target; drop --kind target.")
+    architecture(cfg)
     _check_readable(source)
     with _progress() as progress:
         progress.add_task("Loading target with mlx-lm", total=None)
@@ -463,7 +504,7 @@ def convert(
         _check_quant_args(q_bits, q_group_size)
     if dtype is not None:
         dtype = _pick_dtype(dtype.value if isinstance(dtype, Enum) else dtype, {})
-    src = resolve_source(source)
+    src = resolve_source(source, kind)
     _check_out(src, out, force)
     kind = detect_kind(read_config(src), kind)
     if kind == "target" and target is not None:

@@ -22,7 +22,13 @@ DRAFTERS: dict[str, str] = {
     "Qwen/Qwen3.5-9B": "z-lab/Qwen3.5-9B-DFlash",
     "Qwen/Qwen3.5-27B": "z-lab/Qwen3.5-27B-DFlash",
     "Qwen/Qwen3.5-35B-A3B": "z-lab/Qwen3.5-35B-A3B-DFlash",
-    "moonshotai/Kimi-K2.5": "z-lab/Kimi-K2.5-DFlash",
+}
+# Published pairs the engine cannot run yet, so no lookup offers them: (target, drafter, why).
+NOT_YET: dict[str, tuple[str, str]] = {
+    "moonshotai/Kimi-K2.5": (
+        "z-lab/Kimi-K2.5-DFlash",
+        "its MLA attention and trillion-parameter size (several Macs) are not supported yet",
+    ),
 }
 
 # Drafters trained here (`dflash-mlx train`, training/README.md), shipped in mlx_dflash/assets.
@@ -63,4 +69,7 @@ def find_drafter(model: str | Path) -> str:
     for target, drafter in known.items():
         if base_name(target) == name:
             return drafter
+    for target, (drafter, why) in NOT_YET.items():
+        if base_name(target) == name:
+            raise DFlashError(f"{target} has a published drafter ({drafter}), but {why}.")
     raise DFlashError(f"No published DFlash drafter is known for '{model}'; pass --drafter.")

@@ -62,3 +62,36 @@ def harness():
     from harness_util import load_harness
 
     return load_harness()
+
+
+@pytest.fixture(autouse=True)
+def no_hub(monkeypatch):
+    """No test reaches the Hugging Face hub: downloads fail as offline unless a test serves
+    local folders in their place (tests/test_registry.py's `serve`)."""
+    from mlx_dflash import convert
+
+    def offline(repo_id):
+        raise ConnectionError(f"tests have no network ({repo_id})")
+
+    monkeypatch.setattr(convert, "_download_config", offline)
+    monkeypatch.setattr(convert, "_snapshot_download", offline)
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache(monkeypatch, tmp_path_factory):
+    """Caches (verify profiles, kernel verdicts) go to one folder per test session, never to
+    the user's ~/.cache; a test that sets DFLASH_MLX_CACHE itself wins."""
+    from mlx_dflash import kernel_check
+
+    if "DFLASH_MLX_CACHE" not in os.environ:
+        monkeypatch.setenv("DFLASH_MLX_CACHE", str(_session_cache(tmp_path_factory)))
+    kernel_check.forget()
+
+
+_SESSION_CACHE: list[Path] = []
+
+
+def _session_cache(tmp_path_factory) -> Path:
+    if not _SESSION_CACHE:
+        _SESSION_CACHE.append(tmp_path_factory.mktemp("dflash-cache"))
+    return _SESSION_CACHE[0]

@@ -323,6 +323,7 @@ def test_hub_unreachable_or_missing(tmp_path, monkeypatch):
     def offline(repo_id):
         raise LocalEntryNotFoundError("offline")
 
+    monkeypatch.setattr(conv, "_download_config", offline)
     monkeypatch.setattr(conv, "_snapshot_download", offline)
     _rejects(
         "Could not reach the Hugging Face hub.*pass a local folder", "z-lab/nope", tmp_path / "o"
@@ -335,6 +336,7 @@ def test_hub_unreachable_or_missing(tmp_path, monkeypatch):
     def missing(repo_id):
         raise Missing()
 
+    monkeypatch.setattr(conv, "_download_config", missing)
     monkeypatch.setattr(conv, "_snapshot_download", missing)
     _rejects("neither a local folder nor a model", "z-lab/nope", tmp_path / "o")
     _rejects("does not exist", str(tmp_path / "no" / "such" / "folder"), tmp_path / "o")
@@ -342,6 +344,7 @@ def test_hub_unreachable_or_missing(tmp_path, monkeypatch):
 
 def test_hub_fetch_uses_snapshot(tmp_path, drafter, monkeypatch):
     monkeypatch.setattr(conv, "_snapshot_download", lambda repo_id: str(drafter))
+    monkeypatch.setattr(conv, "_download_config", lambda repo_id: str(drafter / "config.json"))
     out = conv.convert("z-lab/tiny-DFlash", tmp_path / "out")
     assert (out / "config.json").exists()
 
@@ -351,7 +354,7 @@ def test_misc_argument_errors(tmp_path, drafter, targets):
     _rejects("--q-bits", drafter, tmp_path / "o", quantize=True, q_bits=7)
     _rejects("--q-group-size", drafter, tmp_path / "o", quantize=True, q_group_size=48)
     _rejects("--dtype", drafter, tmp_path / "o", dtype="float64")
-    _rejects("mlx-lm could not load", drafter, tmp_path / "o", kind="target")
+    _rejects("is a DFlash drafter, not a target", drafter, tmp_path / "o", kind="target")
     _rejects("must not be the source", drafter, drafter, force=True)
     assert (drafter / "model.safetensors").exists()
     assert not (tmp_path / "o").exists()

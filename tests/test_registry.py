@@ -67,14 +67,24 @@ def hub(tmp_path_factory):
     return {"acme/Tiny-8B": target, "z-lab/Tiny-8B-DFlash": drafter}
 
 
-def serve(monkeypatch, hub, calls):
+def serve(monkeypatch, hub, calls, config_calls=None):
+    """Stand in for the hub: `calls` records full downloads, `config_calls` config.json ones."""
+
     def fake_download(repo_id):
         calls.append(repo_id)
         if repo_id not in hub:
             raise ConnectionError("no network in tests")
         return str(hub[repo_id])
 
+    def fake_config(repo_id):
+        if config_calls is not None:
+            config_calls.append(repo_id)
+        if repo_id not in hub:
+            raise ConnectionError("no network in tests")
+        return str(hub[repo_id] / "config.json")
+
     monkeypatch.setattr(convert_mod, "_snapshot_download", fake_download)
+    monkeypatch.setattr(convert_mod, "_download_config", fake_config)
 
 
 def test_local_folder_returned_as_is(tmp_path, cache, monkeypatch):
@@ -101,7 +111,7 @@ def test_uncached_id_offline_is_one_clear_sentence(cache, monkeypatch):
     serve(monkeypatch, {}, calls := [])
     with pytest.raises(DFlashError, match="Could not reach the Hugging Face hub") as e:
         resolve_model("Qwen/Qwen3-8B", "target")
-    assert str(e.value).count(". ") == 0 and calls == ["Qwen/Qwen3-8B"]
+    assert str(e.value).count(". ") == 0 and calls == []  # config.json already failed
     assert not (cache / "Qwen" / "Qwen3-8B").exists()
 
 
@@ -171,3 +181,38 @@ def test_shipped_drafter(name):
     cfg = DrafterConfig.from_dict(raw)
     assert (cfg.hidden_size, cfg.vocab_size, cfg.num_target_layers) == (576, 49152, 30)
     assert (Path(folder) / "model.safetensors").stat().st_size < 40 * 2**20
+
+
+def test_config_checked_before_any_weight_download(cache, hub, tmp_path, monkeypatch):
+    """An unsupported architecture, or a checkpoint of the wrong kind, is one sentence after
+    fetching config.json alone: no weight is downloaded, nothing is left in the cache."""
+    kimi = tmp_path / "kimi"
+    kimi.mkdir()
+    text = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61}
+    (kimi / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": text}))
+    serve(monkeypatch, {"moonshotai/Kimi-K2.5": kimi, **hub}, calls := [], configs := [])
+    cases = [
+        ("moonshotai/Kimi-K2.5", "target", "architecture 'kimi_k25' is not supported"),
+        ("z-lab/Tiny-8B-DFlash", "target", "pass it with --drafter"),  # swapped arguments
+        ("acme/Tiny-8B", "drafter", "not a DFlash drafter"),
+    ]
+    for repo, kind, needle in cases:
+        with pytest.raises(DFlashError, match=needle) as e:
+            resolve_model(repo, kind)
+        assert str(e.value).startswith(repo)
+        assert not cached_path(repo).exists()
+    assert calls == [] and configs == [c[0] for c in cases]
+
+
+def test_registry_lists_only_pairs_that_run():
+    from mlx_dflash.target import ARCHITECTURES
+
+    assert not any("kimi" in t.lower() for t in DRAFTERS)
+    with pytest.raises(DFlashError, match="Kimi-K2.5-DFlash.*not supported yet"):
+        find_drafter("mlx-community/Kimi-K2.5-4bit")
+    # Every listed target's family runs (tests/test_published.py runs each one).
+    from published import TARGETS
+
+    assert set(TARGETS) == set(DRAFTERS)
+    for cfg in TARGETS.values():
+        assert cfg["model_type"] in ARCHITECTURES
