@@ -265,6 +265,7 @@ def use_metal(supported: bool, what: str) -> bool:
         f"Dk <= {MAX_KEY_DIM}, T <= {MAX_TREE}, Hv a multiple of Hk, float16/bfloat16/float32",
         sources=kernel_sources,
         available=_metal_available,
+        family="gated_deltanet",
     )
 
 
@@ -278,4 +279,5 @@ def gdn_backend() -> str:
         f"Dk <= {MAX_KEY_DIM}",
         sources=kernel_sources,
         available=_metal_available,
+        family="gated_deltanet",
     )

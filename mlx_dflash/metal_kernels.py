@@ -112,12 +112,14 @@ def use_kernel(
     *,
     sources: Callable[[], object],
     available: Callable[[], bool] = metal_available,
+    family: str | None = None,
 ) -> bool:
     """Whether to run a kernel for a call whose shape support is `supported`.
 
-    auto: the kernel when Metal is there and it takes the shape; reference: never; metal:
-    always, and a clear error where it cannot run (naming `what`, a string or a function
-    giving one, and the `limits`) rather than a silent fallback.
+    auto: the kernel when Metal is there, it takes the shape and its `family` passed its
+    self-check on this machine (kernel_check.py); reference: never; metal: always (even after
+    a failed self-check: for debugging), and a clear error where it cannot run (naming `what`,
+    a string or a function giving one, and the `limits`) rather than a silent fallback.
     """
     mode = backend_mode(env_var)
     if mode == "reference":
@@ -132,7 +134,13 @@ def use_kernel(
             what = what() if callable(what) else what
             raise DFlashError(f"{env_var}=metal cannot run {what} (supported: {limits}).")
         return True
-    return supported and metal_ready(sources, available)
+    if not (supported and metal_ready(sources, available)):
+        return False
+    if family is None:
+        return True
+    from .kernel_check import kernel_ok
+
+    return kernel_ok(family)
 
 
 def describe_backend(
@@ -144,8 +152,10 @@ def describe_backend(
     *,
     sources: Callable[[], object],
     available: Callable[[], bool] = metal_available,
+    family: str | None = None,
 ) -> str:
-    """One line for `dflash-mlx doctor`: which path runs, and why.
+    """One line for `dflash-mlx doctor`: which path runs, and why (with the kernels'
+    self-check verdict, running the check if this machine has none yet).
 
     reference: the reference path; fails: what breaks when metal is forced without a GPU;
     kernels: the kernel path, and limits: the shapes it takes.
@@ -162,5 +172,14 @@ def describe_backend(
         return f"{reference}: no Metal GPU"
     if not metal_ready(sources, available):
         return f"{reference}: Metal kernel source missing from the install"
+    verdict = ""
+    if family is not None:
+        from .kernel_check import cached_verdict, kernel_ok
+
+        ok = kernel_ok(family)
+        known = cached_verdict(family)
+        verdict = f"; {known.describe()}" if known else ""
+        if not ok and mode == "auto":
+            return f"{reference}: the Metal kernel failed its self-check{verdict}"
     how = f"forced by {env_var}=metal" if mode == "metal" else "reference for other shapes"
-    return f"{kernels} ({limits}; {how})"
+    return f"{kernels} ({limits}; {how}{verdict})"

@@ -361,6 +361,7 @@ def tree_attention(
         lambda: f"head dim {q.shape[-1]} / {q.dtype}",
         f"head dims {SUPPORTED_HEAD_DIMS}, float16/bfloat16/float32",
         sources=kernel_sources,
+        family="tree_attention",
     ):
         return tree_attention_metal(q, k, v, parents, scale)
     return tree_attention_reference(q, k, v, parents, scale, masks)
@@ -375,4 +376,5 @@ def attention_backend() -> str:
         "metal tree-attention kernel",
         f"head dims {'/'.join(str(d) for d in SUPPORTED_HEAD_DIMS)}",
         sources=kernel_sources,
+        family="tree_attention",
     )

@@ -289,6 +289,9 @@ def small():
 @pytest.fixture
 def simulated_metal(monkeypatch, harness):
     """Metal as gdn_kernels sees it, with the harness as mx.fast.metal_kernel; counts calls."""
+    from mlx_dflash import kernel_check
+
+    monkeypatch.setattr(kernel_check, "kernel_ok", lambda family: True)  # see test_kernel_check
     monkeypatch.setattr(gk, "_metal_available", lambda: True)
     monkeypatch.setattr(gk, "_kernel_factory", lambda: harness.metal_kernel)
     calls = []

@@ -471,7 +471,10 @@ def test_dispatch_rejects_unknown_mode(monkeypatch, qkv_small):
 
 def test_dispatch_picks_kernel_when_metal_is_present(monkeypatch, harness, qkv_small):
     """With Metal (simulated by the harness) auto and metal modes run the kernel path."""
+    from mlx_dflash import kernel_check
+
     q, k, v, parents = qkv_small
+    monkeypatch.setattr(kernel_check, "kernel_ok", lambda family: True)  # see test_kernel_check
     monkeypatch.setattr(ta.mx.metal, "is_available", lambda: True)
     monkeypatch.setattr(ta.mx.fast, "metal_kernel", harness.metal_kernel)
     calls = []
