@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import mlx.core as mx
 import numpy as np
@@ -43,6 +44,15 @@ def test_generate_default_pair_matches_mlx_lm(run_cli, mode):
     assert res["generated_tokens"] == 60 and res["finish_reason"] == "length"
     assert "little girl" in res["text"]
     assert sum(int(k) * v for k, v in res["tau_histogram"].items()) == 60 - 1
+    # Round by round: each round's accepted length, in order (the first token comes from
+    # prefill); they add up to the tokens generated and agree with the histogram.
+    lengths = res["acceptance_lengths"]
+    assert sum(lengths) == 60 - 1 and len(lengths) == res["rounds"]
+    assert {str(k): v for k, v in Counter(lengths).items()} == {
+        str(k): v for k, v in res["tau_histogram"].items()
+    }
+    if mode != "ar":
+        assert max(lengths) > 1
 
 
 def test_generate_streams_text_and_stats(run_cli):
@@ -96,6 +106,11 @@ def test_bad_inputs_end_in_one_sentence(run_cli, tmp_path, other_target):
         ("--prompt", STORY, "--mode", "ddtree", "--budget", "x"): "--budget",
         ("--prompt", STORY, "--model", other_target, "--drafter", DEFAULT_DRAFTER): "vocabulary",
         ("--prompt", STORY, "--drafter", DEFAULT_TARGET): "not a DFlash drafter",
+        # Arguments swapped: the drafter named as the model.
+        ("--prompt", STORY, "--model", DEFAULT_DRAFTER): "pass it with --drafter",
+        ("--prompt", STORY, "--model", DEFAULT_DRAFTER, "--drafter", DEFAULT_TARGET): (
+            "pass it with --drafter"
+        ),
     }
     for args, needle in cases.items():
         code, _, err = run_cli("generate", *args)
