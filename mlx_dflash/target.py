@@ -230,7 +230,10 @@ def load_target(path: str | Path) -> Target:
     if not path.is_dir():
         raise DFlashError(f"Target model folder '{path}' does not exist.")
     config = read_config(path, "target")
-    architecture(config)
+    try:
+        architecture(config)
+    except DFlashError as e:
+        raise DFlashError(f"{path}: {e}") from None
     try:
         model, config = load_model(path, get_model_classes=model_classes)
         tokenizer = load_tokenizer(path, eos_token_ids=text_eos(config))
