@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from convert import llama2c  # noqa: E402
-from mlx_dflash.convert import convert  # noqa: E402
+from mlx_dflash.checkpoints.convert import convert  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parents[1] / "mlx_dflash" / "assets"
 
@@ -48,8 +48,8 @@ def write_random_drafter(out: Path, seed: int = 0) -> Path:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlx_dflash.drafter import init_drafter
-    from mlx_dflash.drafter_config import DrafterConfig
+    from mlx_dflash.models.drafter import init_drafter
+    from mlx_dflash.models.drafter_config import DrafterConfig
 
     model = init_drafter(DrafterConfig.from_dict(DRAFTER_CONFIG), seed=seed)
     out.mkdir(parents=True, exist_ok=True)

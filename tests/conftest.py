@@ -68,7 +68,7 @@ def harness():
 def no_hub(monkeypatch):
     """No test reaches the Hugging Face hub: downloads fail as offline unless a test serves
     local folders in their place (tests/test_registry.py's `serve`)."""
-    from mlx_dflash import convert
+    from mlx_dflash.checkpoints import convert
 
     def offline(repo_id):
         raise ConnectionError(f"tests have no network ({repo_id})")
@@ -81,7 +81,7 @@ def no_hub(monkeypatch):
 def isolated_cache(monkeypatch, tmp_path_factory):
     """Caches (verify profiles, kernel verdicts) go to one folder per test session, never to
     the user's ~/.cache; a test that sets DFLASH_MLX_CACHE itself wins."""
-    from mlx_dflash import kernel_check
+    from mlx_dflash.kernels import self_check as kernel_check
 
     if "DFLASH_MLX_CACHE" not in os.environ:
         monkeypatch.setenv("DFLASH_MLX_CACHE", str(_session_cache(tmp_path_factory)))

@@ -2,7 +2,7 @@
 
 Everything is built from scratch (no network): targets with mlx-lm's own model classes so that
 `mlx_lm.load` reads them back, drafters with the exact z-lab tensor names and torch `[out, in]`
-shapes of docs/algorithm.md §1, written independently of the code under test.
+shapes of ../shared/docs/algorithm.md §1, written independently of the code under test.
 """
 
 from __future__ import annotations
@@ -261,7 +261,7 @@ def _target_layers(target_cfg: Mapping[str, Any]) -> int:
 
 
 def _published_taps(num_target_layers: int, n: int) -> list[int]:
-    """docs/algorithm.md §1 rule, restated here so the tests do not trust the code under test."""
+    """../shared/docs/algorithm.md §1 rule, restated here so the tests do not trust the code under test."""
     if n == 1:
         return [num_target_layers // 2]
     return [int(round(1 + i * (num_target_layers - 4) / (n - 1))) for i in range(n)]

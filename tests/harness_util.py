@@ -62,12 +62,12 @@ def check_sources_in_wheel_layout(
 ) -> None:
     """In a wheel the .metal file sits in mlx_dflash/metal; `module.kernel_sources` finds it
     there and splits it into the header and `kernels`, section markers gone."""
-    from mlx_dflash import metal_kernels
+    from mlx_dflash.kernels import dispatch as metal_kernels
 
     pkg = tmp_path / "mlx_dflash"
     (pkg / "metal").mkdir(parents=True)
     (pkg / "metal" / metal_file).write_text((REPO / "metal" / metal_file).read_text())
-    monkeypatch.setattr(metal_kernels, "__file__", str(pkg / "metal_kernels.py"))
+    monkeypatch.setattr(metal_kernels, "__file__", str(pkg / "kernels" / "dispatch.py"))
     module.kernel_sources.cache_clear()
     try:
         assert metal_kernels.metal_dir(metal_file) == pkg / "metal"

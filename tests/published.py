@@ -15,7 +15,7 @@ download. Writers produce each layout users have:
   tower kept, its `vision_config`).
 
 Weights are float32 (the one departure from the published bf16), because greedy exactness is
-only defined in float32 (docs/algorithm.md §3). The HF layouts are written by inverting what
+only defined in float32 (docs/dflash.md). The HF layouts are written by inverting what
 mlx-lm's `sanitize` undoes, so they do not depend on the code under test.
 """
 

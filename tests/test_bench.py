@@ -10,13 +10,15 @@ import pytest
 from factories import drafter_config_dict, write_drafter_checkpoint, write_tiny_target
 from typer.testing import CliRunner
 
-from mlx_dflash import bench
-from mlx_dflash.bench import DATASETS, Method, check_identical, load_prompts, parse_methods
+from mlx_dflash.benchmark import datasets as bench_datasets
+from mlx_dflash.benchmark import runner as bench
+from mlx_dflash.benchmark.datasets import DATASETS, load_prompts
+from mlx_dflash.benchmark.report import check_identical
+from mlx_dflash.benchmark.runner import Method, parse_methods
 from mlx_dflash.cli import app
 from mlx_dflash.errors import DFlashError
 
-HAS_DDTREE = importlib.util.find_spec("mlx_dflash.ddtree") is not None
-METHODS = "mlx-lm,ar,dflash" + (",ddtree:4,ddtree:auto" if HAS_DDTREE else "")
+METHODS = "mlx-lm,ar,dflash,ddtree:4,ddtree:auto"
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +144,7 @@ def test_own_jsonl_and_errors(tmp_path, monkeypatch):
     def offline(*a, **k):
         raise ConnectionError("offline")
 
-    monkeypatch.setattr(bench, "default_data_dir", lambda: None)
+    monkeypatch.setattr(bench_datasets, "default_data_dir", lambda: None)
     monkeypatch.setattr("huggingface_hub.hf_hub_download", offline)
     with pytest.raises(DFlashError, match="could not be fetched from the Hugging Face hub"):
         load_prompts("math500")

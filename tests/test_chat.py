@@ -1,9 +1,8 @@
-"""`dflash-mlx chat` scripted through a non-tty stdin, and the Chat class under it: commands,
+"""`dflash-mlx chat` scripted through a non-tty stdin, and the Conversation under it: commands,
 prefix reuse across turns, and answers identical to plain decoding of the same conversation."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 
@@ -12,13 +11,12 @@ from factories import drafter_config_dict, write_drafter_checkpoint, write_tiny_
 from oracle import OracleDrafter, diversify
 from typer.testing import CliRunner
 
-from mlx_dflash.chat import Chat
+from mlx_dflash import load_pair, stop_ids
 from mlx_dflash.cli import app
+from mlx_dflash.conversation import Conversation
 from mlx_dflash.engine import GenerationConfig, Session, generate_rounds
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.generate import load_pair, stop_ids
 
-HAS_DDTREE = importlib.util.find_spec("mlx_dflash.ddtree") is not None
 N = 12
 
 
@@ -62,7 +60,7 @@ def ar_answer(target, ids, n=N) -> str:
 def make_chat(loaded, mode="dflash", **kw):
     target, runner = loaded
     cfg = GenerationConfig(max_tokens=N, mode=mode, stop_ids=stop_ids(target.tokenizer), **kw)
-    return Chat(target, runner, cfg)
+    return Conversation(target, runner, cfg)
 
 
 def test_scripted_session_and_commands(pair):
@@ -120,9 +118,7 @@ def test_second_turn_prefills_only_new_tokens(loaded):
     assert stats2.prompt_tokens < len(ids2) // 3
 
 
-MODES = [("dflash", {}), ("dflash", {"block_size": 2}), ("ar", {})]
-if HAS_DDTREE:
-    MODES.append(("ddtree", {"budget": 4}))
+MODES = [("dflash", {}), ("dflash", {"block_size": 2}), ("ar", {}), ("ddtree", {"budget": 4})]
 
 
 @pytest.mark.parametrize("mode, kw", MODES)
@@ -138,13 +134,13 @@ def test_multi_turn_answers_match_plain_decoding(loaded, mode, kw):
     assert chat.turn("Why?")[0] == ar_answer(target, ids)
 
 
-@pytest.mark.parametrize("mode", ["dflash", "ddtree"] if HAS_DDTREE else ["dflash"])
+@pytest.mark.parametrize("mode", ["dflash", "ddtree"])
 def test_multi_turn_with_accepting_drafter(loaded, mode):
     """Blocks get (partly) accepted across turns, so cache reuse meets real rewinds."""
     target = loaded[0]
     oracle = OracleDrafter([], target.vocab_size, block_size=4, corrupt=0.3, seed=3)
     cfg = GenerationConfig(max_tokens=20, mode=mode, budget=4, stop_ids=stop_ids(target.tokenizer))
-    chat = Chat(target, oracle, cfg)
+    chat = Conversation(target, oracle, cfg)
     taus = []
     for msg in ["Hello there", "Tell me a story", "Shorter, please"]:
         ids = chat.render(msg)
@@ -202,4 +198,4 @@ def test_forcing_a_missing_template_fails(loaded):
         tokenizer = NoTemplate()
 
     with pytest.raises(DFlashError, match="no chat template"):
-        Chat(T(), None, GenerationConfig(mode="ar"), chat_template=True)
+        Conversation(T(), None, GenerationConfig(mode="ar"), chat_template=True)

@@ -12,15 +12,15 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from mlx_dflash import convert as conv
-from mlx_dflash.checkpoint import (
+from mlx_dflash.checkpoints import convert as conv
+from mlx_dflash.checkpoints.read import (
     check_drafter_weights,
     check_pair,
     drafter_weight_shapes,
     read_drafter,
 )
-from mlx_dflash.drafter_config import DrafterConfig
 from mlx_dflash.errors import DFlashError
+from mlx_dflash.models.drafter_config import DrafterConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 import factories as F  # noqa: E402

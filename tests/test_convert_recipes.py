@@ -385,7 +385,7 @@ def test_smollm2_chat_answer(smollm2_loaded):
 def test_smollm2_shipped_drafter(smollm2, run_cli, tmp_path):
     """A SmolLM2 folder finds the drafter trained here by its name; DFlash and DDTree output is
     the target's own greedy text, and the drafter is trained."""
-    from mlx_dflash.registry import find_drafter
+    from mlx_dflash.checkpoints.registry import find_drafter
 
     folder = tmp_path / "SmolLM2-135M-Instruct-Q4_1"
     folder.symlink_to(smollm2[1], target_is_directory=True)

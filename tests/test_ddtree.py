@@ -11,9 +11,9 @@ from factories import TARGET_TYPES, write_tiny_target
 from oracle import OracleDrafter, diversify
 from test_engine import PROMPT, mlx_lm_greedy, run
 
-from mlx_dflash.ddtree import build_tree, expected_tokens, top_candidates
 from mlx_dflash.engine import Session
-from mlx_dflash.target import load_target, tree_depths
+from mlx_dflash.engine.tree import build_tree, expected_tokens, top_candidates
+from mlx_dflash.models.target import load_target, tree_depths
 
 N = 60
 
@@ -126,7 +126,7 @@ def test_chain_budget_reproduces_dflash(target):
 
 def test_auto_budget_follows_verify_cost():
     """Flat verify cost -> the whole tree; steep cost -> only the sure nodes."""
-    from mlx_dflash.ddtree import VerifyProfile, choose_budget
+    from mlx_dflash.engine.budget import VerifyProfile, choose_budget
 
     lp = np.log(np.array([[0.9, 0.05], [0.9, 0.05], [0.5, 0.4], [0.3, 0.3]]))
     tree = build_tree(0, np.array([[1, 2]] * 4), lp, 16)
@@ -155,7 +155,7 @@ def test_auto_budget_exact_and_profile_cached(target, tmp_path, monkeypatch):
 
 
 def test_pacer_backs_off_while_drafting_loses_and_resumes_when_it_wins():
-    from mlx_dflash.ddtree import Pacer
+    from mlx_dflash.engine.budget import Pacer
 
     pacer = Pacer(plain_seconds=0.1)  # plain decoding: 10 tokens/s
     waits = []
@@ -185,7 +185,7 @@ def test_pacer_backs_off_while_drafting_loses_and_resumes_when_it_wins():
 def test_pacer_keeps_drafting_through_noisy_rounds_that_win_on_average():
     """Accepted lengths 3, 1, 1, ... at 0.14 s a round beat 10 tokens/s on average (11.9):
     single bad rounds must not pause drafting (a one-round average would pause every third)."""
-    from mlx_dflash.ddtree import Pacer
+    from mlx_dflash.engine.budget import Pacer
 
     pacer = Pacer(plain_seconds=0.1)
     for tokens in [3, 1, 1] * 10:
@@ -200,7 +200,7 @@ def test_pacer_keeps_drafting_through_noisy_rounds_that_win_on_average():
 
 
 def test_auto_budget_calibration_shrinks_trees_of_an_overconfident_drafter():
-    from mlx_dflash.ddtree import VerifyProfile, choose_budget
+    from mlx_dflash.engine.budget import VerifyProfile, choose_budget
 
     lp = np.log(np.array([[0.9, 0.05]] * 6))
     tree = build_tree(0, np.array([[1, 2]] * 6), lp, 16)
@@ -217,7 +217,7 @@ def run_with_scripted_pauses(target, taps, pattern, monkeypatch, tmp_path):
     Returns (output, mlx-lm's greedy reference, taus). The oracle asserts at every draft that
     its context matches the target's, so a pause that forgot to feed the drafter fails here.
     """
-    from mlx_dflash.ddtree import Pacer
+    from mlx_dflash.engine.budget import Pacer
 
     monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
     script = itertools.cycle(pattern)

@@ -13,11 +13,11 @@ from factories import TARGET_TYPES, write_tiny_target
 from mlx_lm.generate import generate_step
 from oracle import OracleDrafter, diversify
 
-from mlx_dflash.drafter import DrafterRunner, init_drafter
-from mlx_dflash.drafter_config import DrafterConfig
 from mlx_dflash.engine import GenerationConfig, Session, generate_rounds
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.target import load_target
+from mlx_dflash.models.drafter import DrafterRunner, init_drafter
+from mlx_dflash.models.drafter_config import DrafterConfig
+from mlx_dflash.models.target import load_target
 
 PROMPT = list(range(3, 43))
 N = 80

@@ -15,9 +15,9 @@ from harness_util import (
     star,
 )
 
-from mlx_dflash import gdn_kernels as gk
-from mlx_dflash import hybrid
 from mlx_dflash.errors import DFlashError
+from mlx_dflash.kernels import gated_delta as gk
+from mlx_dflash.models import gated_deltanet as hybrid
 
 # Kernel and reference see the same rounded inputs and both accumulate in float32, so one
 # tolerance fits every input dtype; only the summation order differs.
@@ -97,7 +97,7 @@ def run_tree_case(harness, rng, t, n_hv, n_hk, dk, dv, dtype, parents):
     )
     assert y.shape == delta.shape == (t, n_hv, dv)
     assert y.dtype == delta.dtype == mx.float32
-    y_ref, d_ref = hybrid.tree_recurrence_reference(q, k, v, g, beta, s0, parents)
+    y_ref, d_ref = gk.tree_recurrence_reference(q, k, v, g, beta, s0, parents)
     close(y, y_ref)
     close(delta, d_ref)
     return (q, k, v, g, beta, s0), delta
@@ -117,7 +117,7 @@ def test_reference_matches_float64_walk(tree):
         "bfs": bfs_tree(rng, 20, 4),
     }[tree]
     args = make_inputs(rng, len(parents), 4, 2, 16, 8, mx.float32)
-    y, delta = hybrid.tree_recurrence_reference(*args, parents)
+    y, delta = gk.tree_recurrence_reference(*args, parents)
     y64, d64, states = numpy_tree(*args, parents)
     close(y, y64)
     close(delta, d64)
@@ -125,7 +125,7 @@ def test_reference_matches_float64_walk(tree):
     leaf = int(np.setdiff1d(np.arange(len(parents)), parents)[-1])
     path = root_path(parents, leaf)
     _, k, _, g, _, s0 = args
-    close(hybrid.replay_reference(s0, k, g, delta, path), states[leaf])
+    close(gk.replay_reference(s0, k, g, delta, path), states[leaf])
 
 
 def test_tree_plan_layout():
@@ -253,7 +253,7 @@ def test_replay_kernel_matches_reference(harness, dk, dv, n_hv, n_hk, dtype):
     for path in ([0], root_path(parents, leaf), [0, 1, 5, 5, 23]):
         got = gk.gdn_tape_replay(s0, k, g, delta, path, kernel_factory=harness.metal_kernel)
         assert got.shape == s0.shape and got.dtype == mx.float32
-        close(got, np.asarray(hybrid.replay_reference(s0, k, g, delta, path)), 1e-6, 1e-6)
+        close(got, np.asarray(gk.replay_reference(s0, k, g, delta, path)), 1e-6, 1e-6)
     same = gk.gdn_tape_replay(s0, k, g, delta, [], kernel_factory=harness.metal_kernel)
     np.testing.assert_array_equal(np.asarray(same), np.asarray(s0))
     with pytest.raises(ValueError, match="path"):
@@ -289,7 +289,7 @@ def small():
 @pytest.fixture
 def simulated_metal(monkeypatch, harness):
     """Metal as gdn_kernels sees it, with the harness as mx.fast.metal_kernel; counts calls."""
-    from mlx_dflash import kernel_check
+    from mlx_dflash.kernels import self_check as kernel_check
 
     monkeypatch.setattr(kernel_check, "kernel_ok", lambda family: True)  # see test_kernel_check
     monkeypatch.setattr(gk, "_metal_available", lambda: True)
@@ -306,7 +306,7 @@ def simulated_metal(monkeypatch, harness):
 def pending_cache(args, parents) -> hybrid.RecurrentCache:
     """A RecurrentCache holding the tape of one verify, as gdn_forward leaves it."""
     q, k, v, g, beta, s0 = args
-    _, delta = hybrid.tree_recurrence_reference(q, k, v, g, beta, s0, parents)
+    _, delta = gk.tree_recurrence_reference(q, k, v, g, beta, s0, parents)
     cache = hybrid.RecurrentCache()
     t = len(parents)
     cache.pending = dict(
@@ -326,13 +326,13 @@ def pending_cache(args, parents) -> hybrid.RecurrentCache:
 @pytest.mark.skipif(mx.metal.is_available(), reason="checks the machine without Metal")
 def test_dispatch_without_metal(monkeypatch, small):
     args, parents = small
-    want = hybrid.tree_recurrence_reference(*args, parents)
+    want = gk.tree_recurrence_reference(*args, parents)
     for mode in (None, "auto", "reference", " Reference "):
         if mode is None:
             monkeypatch.delenv(gk.ENV_VAR, raising=False)
         else:
             monkeypatch.setenv(gk.ENV_VAR, mode)
-        for got, ref in zip(hybrid.tree_recurrence(*args, parents), want, strict=True):
+        for got, ref in zip(gk.tree_recurrence(*args, parents), want, strict=True):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
         cache = pending_cache(args, parents)
         cache.compact(0, [0, 1])
@@ -340,7 +340,7 @@ def test_dispatch_without_metal(monkeypatch, small):
         assert gk.gdn_backend().startswith("reference")
     monkeypatch.setenv(gk.ENV_VAR, "metal")
     with pytest.raises(DFlashError, match="Metal"):
-        hybrid.tree_recurrence(*args, parents)
+        gk.tree_recurrence(*args, parents)
     with pytest.raises(DFlashError, match="Metal"):
         pending_cache(args, parents).commit([0])
     assert "no Metal" in gk.gdn_backend()
@@ -350,18 +350,18 @@ def test_dispatch_rejects_unknown_mode(monkeypatch, small):
     args, parents = small
     monkeypatch.setenv(gk.ENV_VAR, "cuda")
     with pytest.raises(DFlashError, match=gk.ENV_VAR):
-        hybrid.tree_recurrence(*args, parents)
+        gk.tree_recurrence(*args, parents)
     assert gk.gdn_backend().startswith("invalid")
 
 
 def test_dispatch_picks_kernels_when_metal_is_present(monkeypatch, simulated_metal, small):
     args, parents = small
-    want_y, want_d = hybrid.tree_recurrence_reference(*args, parents)
+    want_y, want_d = gk.tree_recurrence_reference(*args, parents)
     path = root_path(parents, 5)
-    want_state = hybrid.replay_reference(args[5], args[1], args[3], want_d, path)
+    want_state = gk.replay_reference(args[5], args[1], args[3], want_d, path)
     for mode in ("auto", "metal"):
         monkeypatch.setenv(gk.ENV_VAR, mode)
-        y, d = hybrid.tree_recurrence(*args, parents)
+        y, d = gk.tree_recurrence(*args, parents)
         close(y, want_y)
         close(d, want_d)
         cache = pending_cache(args, parents)
@@ -370,14 +370,14 @@ def test_dispatch_picks_kernels_when_metal_is_present(monkeypatch, simulated_met
         assert gk.gdn_backend().startswith("metal")
     assert simulated_metal == ["gdn_tree_verify", "gdn_tape_replay"] * 2
     monkeypatch.setenv(gk.ENV_VAR, "reference")
-    hybrid.tree_recurrence(*args, parents)
+    gk.tree_recurrence(*args, parents)
     assert len(simulated_metal) == 4 and "reference" in gk.gdn_backend()
     # shapes the kernels do not take: reference under auto, an error under metal. The replay
     # kernel (one thread per state element) has no Dk limit; it refuses integer keys.
     rng = np.random.default_rng(1)
     wide = make_inputs(rng, 6, 2, 2, 320, 4, mx.float32)
     monkeypatch.setenv(gk.ENV_VAR, "auto")
-    hybrid.tree_recurrence(*wide, parents)
+    gk.tree_recurrence(*wide, parents)
     assert len(simulated_metal) == 4
     pending_cache(wide, parents).commit(path)
     assert simulated_metal[4:] == ["gdn_tape_replay"]
@@ -388,7 +388,7 @@ def test_dispatch_picks_kernels_when_metal_is_present(monkeypatch, simulated_met
     assert len(simulated_metal) == 5
     monkeypatch.setenv(gk.ENV_VAR, "metal")
     with pytest.raises(DFlashError, match="cannot run"):
-        hybrid.tree_recurrence(*wide, parents)
+        gk.tree_recurrence(*wide, parents)
     int_keys = pending_cache(args, parents)
     int_keys.pending["k"] = int_k
     with pytest.raises(DFlashError, match="cannot run"):
@@ -399,7 +399,7 @@ def test_hybrid_target_verify_through_kernels(monkeypatch, simulated_metal):
     """A tiny Qwen3-Next tree verify + commit: kernels (GQA in-kernel) == reference path."""
     from factories import load_module, tiny_target_config
 
-    from mlx_dflash.target import Target
+    from mlx_dflash.models.target import Target
 
     cfg = tiny_target_config("qwen3_next")
     mod = load_module("qwen3_next")
@@ -424,7 +424,7 @@ def test_hybrid_target_verify_through_kernels(monkeypatch, simulated_metal):
 
 
 def test_doctor_reports_gdn_backend(monkeypatch):
-    from mlx_dflash import doctor
+    from mlx_dflash.cli import doctor
 
     monkeypatch.setattr(doctor, "matmul_gflops", lambda: 1.0)
     monkeypatch.setenv(gk.ENV_VAR, "reference")

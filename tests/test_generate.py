@@ -11,8 +11,9 @@ import pytest
 from factories import drafter_config_dict, write_drafter_checkpoint, write_tiny_target
 from mlx_lm.generate import generate_step
 
+from mlx_dflash import load_pair
 from mlx_dflash.engine import GenerationConfig, Session, generate_rounds
-from mlx_dflash.generate import DEFAULT_DRAFTER, DEFAULT_TARGET, load_pair
+from mlx_dflash.paths import DEFAULT_DRAFTER, DEFAULT_TARGET
 
 STORY = "Once upon a time"
 
@@ -126,7 +127,7 @@ def test_numerics_long_context_verify_vs_single_step(tmp_path):
     """At 2K+ context, a 16-token verify (causal block and tree) matches 16 one-token steps."""
     from oracle import diversify
 
-    from mlx_dflash.target import load_target
+    from mlx_dflash.models.target import load_target
 
     target = load_target(write_tiny_target(tmp_path / "t", "qwen3", max_position_embeddings=8192))
     diversify(target.model)

@@ -10,8 +10,8 @@ from oracle import OracleDrafter, diversify
 from test_engine import PROMPT, mlx_lm_greedy, run
 
 from mlx_dflash.engine import GenerationConfig, Session, generate_rounds
-from mlx_dflash.hybrid import RecurrentCache, conv_window_index
-from mlx_dflash.target import Target
+from mlx_dflash.models.gated_deltanet import RecurrentCache, conv_window_index
+from mlx_dflash.models.target import Target
 
 N = 60
 

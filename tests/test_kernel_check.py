@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from harness_util import random_tree
 
-from mlx_dflash import gdn_kernels as gk
-from mlx_dflash import hybrid, kernel_check
-from mlx_dflash import tree_attention as ta
+from mlx_dflash.kernels import gated_delta as gk
+from mlx_dflash.kernels import self_check as kernel_check
+from mlx_dflash.kernels import tree_attention as ta
 
 
 def fresh(harness):
@@ -130,8 +130,8 @@ def test_failing_attention_kernel_falls_back_once_and_is_cached(
 def test_failing_gdn_kernels_fall_back(harness, metal, capsys):
     metal(off_by_one(harness))
     (q, k, v, g, beta, s0), parents = gdn_case()
-    want_y, want_d = hybrid.tree_recurrence_reference(q, k, v, g, beta, s0, parents)
-    y, d = hybrid.tree_recurrence(q, k, v, g, beta, s0, parents)
+    want_y, want_d = gk.tree_recurrence_reference(q, k, v, g, beta, s0, parents)
+    y, d = gk.tree_recurrence(q, k, v, g, beta, s0, parents)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(want_y))
     np.testing.assert_array_equal(np.asarray(d), np.asarray(want_d))
     err = capsys.readouterr().err
@@ -165,7 +165,7 @@ def test_a_changed_kernel_source_is_checked_again(monkeypatch):
 
 
 def test_doctor_reports_the_verdicts(harness, metal, monkeypatch):
-    from mlx_dflash import doctor
+    from mlx_dflash.cli import doctor
 
     metal(fresh(harness))
     monkeypatch.setattr(doctor, "matmul_gflops", lambda: 1.0)

@@ -27,10 +27,10 @@ from published import (
     write_published_drafter,
 )
 
-from mlx_dflash import convert as convert_mod
+from mlx_dflash.checkpoints import convert as convert_mod
+from mlx_dflash.checkpoints.registry import DRAFTERS
 from mlx_dflash.engine import GenerationConfig, Session, generate_rounds
-from mlx_dflash.registry import DRAFTERS
-from mlx_dflash.target import model_classes
+from mlx_dflash.models.target import model_classes
 
 PROMPT = list(range(3, 43))
 N = 40
@@ -97,7 +97,7 @@ def decode(session, mode, budget=16):
 
 @pytest.mark.parametrize("target_id, layout", CASES, ids=[f"{t}:{lay}" for t, lay in CASES])
 def test_published_pair_runs_exactly(target_id, layout, tmp_path, served):
-    from mlx_dflash.generate import load_pair
+    from mlx_dflash import load_pair
 
     folder = write_published(tmp_path / layout / local_name(target_id, layout), target_id, layout)
     ref = mlx_lm_reference(folder, N)

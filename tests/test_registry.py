@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from factories import drafter_config_dict, write_drafter_checkpoint, write_tiny_target
 
-from mlx_dflash import convert as convert_mod
-from mlx_dflash import registry
+from mlx_dflash.checkpoints import convert as convert_mod
+from mlx_dflash.checkpoints import registry
+from mlx_dflash.checkpoints.registry import DRAFTERS, find_drafter
+from mlx_dflash.checkpoints.resolve import cached_path, resolve_model
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.registry import DRAFTERS, find_drafter
-from mlx_dflash.resolve import cached_path, resolve_model
 
 
 @pytest.mark.parametrize("target", list(DRAFTERS))
@@ -142,7 +142,7 @@ def test_hub_id_converted_once_then_reused(cache, hub, monkeypatch):
 
 def test_load_pair_finds_and_fetches_the_drafter(cache, hub, monkeypatch):
     """`--model <quantized copy id>` alone: registry lookup, download, convert, load."""
-    from mlx_dflash.generate import load_pair
+    from mlx_dflash import load_pair
 
     serve(monkeypatch, {"mlx-community/Tiny-8B-4bit": hub["acme/Tiny-8B"], **hub}, calls := [])
     monkeypatch.setitem(registry.DRAFTERS, "acme/Tiny-8B", "z-lab/Tiny-8B-DFlash")
@@ -174,7 +174,7 @@ def test_incomplete_cache_folder(cache, monkeypatch):
 )
 def test_shipped_drafter(name):
     """The drafter trained here for SmolLM2-135M-Instruct ships in the package, shaped for it."""
-    from mlx_dflash.drafter_config import DrafterConfig
+    from mlx_dflash.models.drafter_config import DrafterConfig
 
     folder = find_drafter(name)
     raw = json.loads((Path(folder) / "config.json").read_text())
@@ -205,7 +205,7 @@ def test_config_checked_before_any_weight_download(cache, hub, tmp_path, monkeyp
 
 
 def test_registry_lists_only_pairs_that_run():
-    from mlx_dflash.target import ARCHITECTURES
+    from mlx_dflash.models.target import ARCHITECTURES
 
     assert not any("kimi" in t.lower() for t in DRAFTERS)
     with pytest.raises(DFlashError, match="Kimi-K2.5-DFlash.*not supported yet"):

@@ -15,11 +15,11 @@ from factories import load_module, tiny_target_config
 from oracle import diversify
 from scipy.stats import chisquare
 
-from mlx_dflash.drafter import DrafterRunner, init_drafter
-from mlx_dflash.drafter_config import DrafterConfig
 from mlx_dflash.engine import GenerationConfig, Session, generate_rounds
-from mlx_dflash.sampling import SamplingParams, accept_speculative, token_probs
-from mlx_dflash.target import Target
+from mlx_dflash.engine.sampling import SamplingParams, accept_speculative, token_probs
+from mlx_dflash.models.drafter import DrafterRunner, init_drafter
+from mlx_dflash.models.drafter_config import DrafterConfig
+from mlx_dflash.models.target import Target
 
 V = 24
 PROMPT = [3, 9, 4, 17, 5]

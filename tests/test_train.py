@@ -9,31 +9,20 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_dflash.drafter import DrafterRunner, init_drafter, load_drafter
-from mlx_dflash.generate import DEFAULT_TARGET
-from mlx_dflash.target import load_target
-from mlx_dflash.train import (
-    TrainConfig,
-    Trainer,
-    block_loss,
-    cache_all_taps,
-    drafter_blocks,
-    drafter_logits,
-    eval_tau,
-    load_checkpoint,
-    loss_vocabulary,
-    make_batch,
-    new_drafter_config,
-    tap_scale,
-    target_taps,
-)
-from mlx_dflash.train_data import (
+from mlx_dflash.models.drafter import DrafterRunner, drafter_logits, init_drafter, load_drafter
+from mlx_dflash.models.target import load_target
+from mlx_dflash.paths import DEFAULT_TARGET
+from mlx_dflash.training.batches import cache_all_taps, loss_vocabulary, make_batch, tap_scale
+from mlx_dflash.training.checkpoint import load_checkpoint
+from mlx_dflash.training.data import (
     answer_prompts,
     batch_generate,
     encode,
     load_records,
     story_prompts,
 )
+from mlx_dflash.training.forward import block_loss, drafter_blocks, target_taps
+from mlx_dflash.training.trainer import TrainConfig, Trainer, eval_tau, new_drafter_config
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +88,7 @@ def test_short_run_raises_tau(target, data):
 
 
 def test_checkpoint_converts_loads_and_resumes(target, data, tmp_path):
-    from mlx_dflash.convert import convert
+    from mlx_dflash.checkpoints.convert import convert
 
     recs, _, _ = data
     out = tmp_path / "ckpt"
@@ -179,7 +168,7 @@ def test_corpus_vocabulary_training_reduces_loss(target, data):
 def test_corpus_trained_drafter_ships_its_draft_vocabulary(target, data, tmp_path):
     """Trained to rank only the answers' tokens, the drafter drafts only those: the checkpoint
     carries them (draft_vocab.json), `convert` keeps them, and a bad file is one clear error."""
-    from mlx_dflash.convert import convert
+    from mlx_dflash.checkpoints.convert import convert
     from mlx_dflash.errors import DFlashError
 
     recs, _, _ = data
@@ -247,7 +236,7 @@ def test_lm_head_rows_match_the_head(tmp_path):
 
 def test_tap_cache_on_disk(target, data, tmp_path, monkeypatch):
     """Taps are computed once, kept on disk, reused; other tapped layers recompute them."""
-    import mlx_dflash.train as train_mod
+    import mlx_dflash.training.batches as train_mod
 
     recs, _, _ = data
     target.set_taps([1, 3])

@@ -14,8 +14,8 @@ from harness_util import (
     star,
 )
 
-from mlx_dflash import tree_attention as ta
 from mlx_dflash.errors import DFlashError
+from mlx_dflash.kernels import tree_attention as ta
 
 TOL = {  # (atol, rtol) against a float64 truth computed from the same rounded inputs
     mx.float32: (2e-5, 1e-4),
@@ -471,7 +471,7 @@ def test_dispatch_rejects_unknown_mode(monkeypatch, qkv_small):
 
 def test_dispatch_picks_kernel_when_metal_is_present(monkeypatch, harness, qkv_small):
     """With Metal (simulated by the harness) auto and metal modes run the kernel path."""
-    from mlx_dflash import kernel_check
+    from mlx_dflash.kernels import self_check as kernel_check
 
     q, k, v, parents = qkv_small
     monkeypatch.setattr(kernel_check, "kernel_ok", lambda family: True)  # see test_kernel_check

@@ -17,11 +17,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx_dflash  # noqa: E402, F401  (OpenBLAS before mlx)
-from mlx_dflash.drafter import load_drafter  # noqa: E402
-from mlx_dflash.generate import DEFAULT_DRAFTER, DEFAULT_TARGET  # noqa: E402
-from mlx_dflash.target import load_target  # noqa: E402
-from mlx_dflash.train import eval_tau  # noqa: E402
-from mlx_dflash.train_data import encode  # noqa: E402
+from mlx_dflash.models.drafter import load_drafter  # noqa: E402
+from mlx_dflash.models.target import load_target  # noqa: E402
+from mlx_dflash.paths import DEFAULT_DRAFTER, DEFAULT_TARGET  # noqa: E402
+from mlx_dflash.training.data import encode  # noqa: E402
+from mlx_dflash.training.trainer import eval_tau  # noqa: E402
 
 OPENINGS = [
     "Once upon a time, there was a little dog",

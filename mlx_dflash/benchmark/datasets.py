@@ -1,0 +1,71 @@
+"""The benchmark prompt sets: the standard speculative-decoding sets by name (from
+../shared/data/bench, --data-dir or the hub) or any prompt file."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import DFlashError
+from ..prompt_files import read_prompt_file
+
+# name -> (local file under --data-dir, field holding the prompt)
+DATASETS: dict[str, tuple[str, str]] = {
+    "humaneval": ("HumanEval.jsonl.gz", "prompt"),
+    "gsm8k": ("gsm8k_test.jsonl", "question"),
+    "math500": ("math500_test.jsonl", "problem"),
+    "mbpp": ("mbpp_sanitized.json", "prompt"),
+    "mt-bench": ("mt_bench_question.jsonl", "turns"),
+}
+# Where the same sets live on the Hugging Face hub, for machines without ../shared.
+HUB_DATASETS: dict[str, tuple[str, str]] = {
+    "humaneval": ("openai/openai_humaneval", "openai_humaneval/test-00000-of-00001.parquet"),
+    "gsm8k": ("openai/gsm8k", "main/test-00000-of-00001.parquet"),
+    "math500": ("HuggingFaceH4/MATH-500", "test.jsonl"),
+    "mbpp": ("google-research-datasets/mbpp", "sanitized/test-00000-of-00001.parquet"),
+    "mt-bench": ("HuggingFaceH4/mt_bench_prompts", "raw/question.jsonl"),
+}
+
+
+def default_data_dir() -> Path | None:
+    """$DFLASH_SHARED/data/bench, else the repo's ../shared/data/bench, when it exists."""
+    roots = [os.environ.get("DFLASH_SHARED"), Path(__file__).resolve().parents[3] / "shared"]
+    for root in roots:
+        if root and (Path(root) / "data" / "bench").is_dir():
+            return Path(root) / "data" / "bench"
+    return None
+
+
+def _hub_file(name: str) -> Path:
+    from huggingface_hub import hf_hub_download
+
+    repo, filename = HUB_DATASETS[name]
+    try:
+        return Path(hf_hub_download(repo, filename, repo_type="dataset"))
+    except Exception as e:  # offline, DNS, gated, moved: the user's remedy is the same
+        raise DFlashError(
+            f"The {name} prompts are not on this machine (no --data-dir, no ../shared/data/bench) "
+            f"and could not be fetched from the Hugging Face hub ({repo}); pass --data-dir."
+        ) from e
+
+
+def load_prompts(dataset: str, data_dir: str | Path | None = None, limit: int | None = None):
+    """The prompts of a named set (from `data_dir`, else the hub) or of a .jsonl/.json file."""
+    if dataset in DATASETS:
+        filename, field = DATASETS[dataset]
+        folder = Path(data_dir) if data_dir is not None else default_data_dir()
+        if folder is not None:
+            path = folder / filename
+            if not path.is_file():
+                raise DFlashError(f"{path} does not exist (the {dataset} prompts).")
+        else:
+            path = _hub_file(dataset)
+    else:
+        path, field = Path(dataset).expanduser(), None
+        if not path.is_file():
+            names = ", ".join(DATASETS)
+            raise DFlashError(f"Unknown dataset '{dataset}': use one of {names} or a .jsonl file.")
+    prompts = read_prompt_file(path, field)
+    if not prompts:
+        raise DFlashError(f"{path} holds no prompts.")
+    return prompts[:limit] if limit else prompts

@@ -1,0 +1,237 @@
+"""The benchmark harness: every method on every prompt, side by side on one loaded target.
+
+Methods are plain mlx-lm decoding (`generate_step`, the reference) and our engine's modes;
+outputs are compared token for token (report.py) and speeds reported against mlx-lm.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..engine import GenerationConfig, SamplingParams, Session, Stats, generate_rounds, parse_budget
+from ..errors import DFlashError
+from ..models.pair import load_pair
+from ..prompts import encode_prompt, stop_ids
+from .datasets import load_prompts
+from .report import check_identical, speedups, summarize
+
+DEFAULT_METHODS = "mlx-lm,ar,dflash,ddtree:auto"
+WARMUP_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class Method:
+    label: str  # as the user wrote it: "ddtree:16"
+    mode: str  # "mlx-lm" | "ar" | "dflash" | "ddtree"
+    budget: int | str = 16
+
+
+def parse_methods(spec: str | list[str]) -> list[Method]:
+    """`mlx-lm,ar,dflash,ddtree:4,ddtree:auto` -> Methods (ddtree alone means budget 16)."""
+    items = spec.split(",") if isinstance(spec, str) else [s for x in spec for s in x.split(",")]
+    out: list[Method] = []
+    for item in (s.strip() for s in items):
+        if not item:
+            continue
+        mode, _, arg = item.partition(":")
+        if mode in ("mlx-lm", "ar", "dflash") and not arg:
+            out.append(Method(item, mode))
+        elif mode == "ddtree":
+            out.append(Method(item, mode, parse_budget(arg or "16")))
+        else:
+            raise DFlashError(
+                f"Unknown method '{item}' (use mlx-lm, ar, dflash, ddtree or ddtree:BUDGET)."
+            )
+    if not out:
+        raise DFlashError("--methods names no method.")
+    labels = [m.label for m in out]
+    dup = next((x for x in labels if labels.count(x) > 1), None)
+    if dup:
+        raise DFlashError(f"Method '{dup}' is listed twice.")
+    return out
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    prompt_tokens: int
+    t_prefill: float
+    t_decode: float
+    taus: list[int]
+    t_draft: float | None = None
+    t_verify: float | None = None
+    t_other: float | None = None
+    draft_rounds: int = 0
+
+
+def run_engine(target, runner, ids: list[int], cfg: GenerationConfig) -> Run:
+    """Our engine (ar, dflash or ddtree) on one prompt, from an empty cache."""
+    session = Session(target, runner if cfg.mode != "ar" else None)
+    stats, tokens = Stats(), []
+    for rnd in generate_rounds(session, ids, cfg):
+        stats.add(rnd)
+        tokens += rnd.tokens
+    return Run(
+        tokens,
+        stats.prompt_tokens,
+        stats.t_prefill,
+        stats.t_decode,
+        stats.taus,
+        stats.t_draft,
+        stats.t_verify,
+        stats.t_other,
+        stats.draft_rounds,
+    )
+
+
+def run_mlx_lm(target, ids: list[int], cfg: GenerationConfig) -> Run:
+    """mlx-lm's own generate_step with its sampler: the reference everyone compares to."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    s = cfg.sampling
+    sampler = make_sampler(s.temperature, top_p=s.top_p if s.top_p < 1 else 0.0, top_k=s.top_k)
+    if cfg.seed is not None:
+        mx.random.seed(cfg.seed)
+    tokens: list[int] = []
+    t0 = time.perf_counter()
+    t_first = t_last = t0
+    gen = generate_step(mx.array(ids), target.model, max_tokens=cfg.max_tokens, sampler=sampler)
+    try:
+        for tok, _ in gen:
+            t_last = time.perf_counter()
+            if not tokens:
+                t_first = t_last
+            tokens.append(int(tok))
+            if tokens[-1] in cfg.stop_ids:
+                break
+    finally:
+        gen.close()
+    n = len(tokens)
+    return Run(tokens, len(ids), t_first - t0, t_last - t_first, [1] * max(n - 1, 0))
+
+
+def run_method(method: Method, target, runner, ids: list[int], cfg: GenerationConfig) -> Run:
+    if method.mode == "mlx-lm":
+        return run_mlx_lm(target, ids, cfg)
+    cfg = GenerationConfig(**{**vars(cfg), "mode": method.mode, "budget": method.budget})
+    return run_engine(target, runner, ids, cfg)
+
+
+def _environment() -> dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    import mlx.core as mx
+
+    from .. import __version__, _blas
+
+    env = {"dflash_mlx": __version__, "python": platform.python_version()}
+    for pkg in ("mlx", "mlx-lm"):
+        try:
+            env[pkg] = version(pkg)
+        except PackageNotFoundError:
+            env[pkg] = None
+    env["machine"] = f"{platform.system()} {platform.machine()}"
+    env["device"] = str(mx.default_device())
+    env["blas"] = _blas.loaded_blas
+    return env
+
+
+def run_bench(
+    model: str | None = None,
+    drafter: str | None = None,
+    methods: str | list[str] = DEFAULT_METHODS,
+    datasets: str | list[str] = "gsm8k",
+    data_dir: str | Path | None = None,
+    limit: int | None = 10,
+    max_tokens: int = 256,
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = 0,
+    block_size: int | None = None,
+    chat_template: bool | None = None,
+    system: str | None = None,
+    progress=None,
+) -> dict[str, Any]:
+    """Run every method on every prompt of every dataset; return the results as a dict.
+
+    `progress(total)` may return `update(description, advance)`, called as the runs go.
+    """
+    meths = parse_methods(methods)
+    names = [d.strip() for d in ([datasets] if isinstance(datasets, str) else datasets)]
+    names = [n for x in names for n in x.split(",") if n.strip()]
+    if not names:
+        raise DFlashError("--dataset names no dataset.")
+    prompt_sets = {n: load_prompts(n, data_dir, limit) for n in names}
+    needs_drafter = any(m.mode in ("dflash", "ddtree") for m in meths)
+    target, runner = load_pair(model, drafter, "dflash" if needs_drafter else "ar")
+    tok = target.tokenizer
+    encoded = {
+        n: [encode_prompt(tok, p, chat_template, system) for p in ps]
+        for n, ps in prompt_sets.items()
+    }
+    cfg = GenerationConfig(
+        max_tokens=max_tokens,
+        sampling=SamplingParams(temp, top_p, top_k),
+        seed=seed,
+        block_size=block_size,
+        stop_ids=stop_ids(tok),
+    )
+
+    total = sum(len(v) for v in encoded.values()) * len(meths)
+    update = progress(total) if progress else None
+    # Warm-up: compile paths, allocate caches, measure the DDTree auto profile, off the clock.
+    first = next(iter(encoded.values()))[0]
+    warm = GenerationConfig(**{**vars(cfg), "max_tokens": min(max_tokens, WARMUP_TOKENS)})
+    for m in meths:
+        if update:
+            update(f"warming up {m.label}", 0)
+        run_method(m, target, runner, first, warm)
+    runs: dict[str, dict[str, list[Run]]] = {n: {m.label: [] for m in meths} for n in encoded}
+    outputs: dict[str, list[dict[str, list[int]]]] = {n: [] for n in encoded}
+    for name, prompts in encoded.items():
+        for i, ids in enumerate(prompts):
+            outputs[name].append({})
+            for m in meths:
+                run = run_method(m, target, runner, ids, cfg)
+                runs[name][m.label].append(run)
+                outputs[name][i][m.label] = run.tokens
+                if update:
+                    update(f"{name} {i + 1}/{len(prompts)} {m.label}", 1)
+
+    rows = [
+        {"dataset": n, "method": m.label, **summarize(runs[n][m.label])}
+        for n in encoded
+        for m in meths
+    ]
+    baseline = speedups(rows)
+    return {
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "model": model or "stories260K (embedded)",
+        "drafter": drafter,
+        "settings": {
+            "methods": [m.label for m in meths],
+            "datasets": names,
+            "limit": limit,
+            "max_tokens": max_tokens,
+            "temp": temp,
+            "top_p": top_p,
+            "top_k": top_k,
+            "seed": seed,
+            "block_size": block_size,
+            "chat_template": bool(getattr(tok, "chat_template", None))
+            if chat_template is None
+            else chat_template,
+            "system": system,
+        },
+        "environment": _environment(),
+        "baseline": baseline,
+        "results": rows,
+        "identical": check_identical(outputs, greedy=temp <= 0),
+    }

@@ -1,0 +1,280 @@
+"""Reading and validating checkpoint folders: shared by `convert` and the engine's loader.
+
+A drafter's tensors are checked against its resolved config (docs/checkpoints.md) and against
+its target, so a mismatched pair fails with one sentence naming the culprit instead of a shape
+error deep inside a forward pass.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from ..errors import DFlashError
+from ..models.drafter_config import DRAFTER_ARCHITECTURE, DrafterConfig
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+INDEX_FILE = "model.safetensors.index.json"
+
+# The drafter's linear layers: the only tensors worth quantizing (norms stay float).
+DRAFTER_LINEARS = (
+    "fc",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+# Tensors that belong to a drafter that brings its own vocabulary, which DFlash never does.
+FOREIGN_TENSORS = ("lm_head", "embed_tokens")
+
+
+# --------------------------------------------------------------------------------------------
+# Folders and files
+
+
+def read_config(folder: str | Path, what: str = "model") -> dict[str, Any]:
+    """config.json of a folder, with one-sentence errors for a missing or unparsable file."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise DFlashError(f"The {what} folder {folder} has no config.json.")
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DFlashError(f"Could not parse {path}: {e}.") from e
+    if not isinstance(cfg, dict):
+        raise DFlashError(f"{path} does not hold a JSON object.")
+    return cfg
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language model's own fields: mlx-lm / VLM configs nest them under `text_config`."""
+    inner = cfg.get("text_config")
+    if isinstance(inner, dict) and "num_hidden_layers" in inner and "hidden_size" in inner:
+        return inner
+    return cfg
+
+
+def is_drafter_config(cfg: dict[str, Any]) -> bool:
+    archs = cfg.get("architectures") or ()
+    if isinstance(archs, str):
+        archs = (archs,)
+    return DRAFTER_ARCHITECTURE in archs
+
+
+def weight_files(folder: str | Path) -> list[Path]:
+    """The safetensors files of a folder: those its index names, else every *.safetensors.
+
+    Pickled weights are never loaded (unpickling can run arbitrary code), so a folder that only
+    has .bin/.pt files is refused with a sentence saying why.
+    """
+    folder = Path(folder)
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise DFlashError(f"Could not parse {index}: {e}.") from e
+        files = [folder / n for n in names]
+        for f in files:
+            if not f.is_file():
+                raise DFlashError(f"{index.name} names {f.name}, which is missing from {folder}.")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise DFlashError(
+            f"{folder} holds only PyTorch pickle weights ({pickles[0]}); safetensors is "
+            "required, because loading a pickle can run arbitrary code."
+        )
+    raise DFlashError(f"{folder} has no *.safetensors weights.")
+
+
+def load_safetensors(path: str | Path) -> dict[str, mx.array]:
+    """One safetensors file, with a corrupt or truncated file reported by name."""
+    try:
+        weights = mx.load(str(path))
+    except Exception as e:  # mx.load raises RuntimeError/ValueError for bad headers and data
+        raise DFlashError(
+            f"Could not read {path}: it is not a valid safetensors file ({e})."
+        ) from e
+    if not isinstance(weights, dict):
+        raise DFlashError(f"{path} is not a safetensors file.")
+    return weights
+
+
+def load_weights(folder: str | Path) -> dict[str, mx.array]:
+    """Every tensor of a folder's safetensors files (lazily: nothing is read until evaluated)."""
+    weights: dict[str, mx.array] = {}
+    for f in weight_files(folder):
+        weights.update(load_safetensors(f))
+    return weights
+
+
+def strip_model_prefix(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Drop a `model.` prefix some exports put on drafter tensors; z-lab names have none."""
+    if weights and all(k.startswith("model.") for k in weights):
+        return {k[len("model.") :]: v for k, v in weights.items()}
+    return weights
+
+
+# --------------------------------------------------------------------------------------------
+# Drafter tensors
+
+
+def is_drafter_linear(name: str) -> bool:
+    """True for the `X.weight` of a drafter linear layer (fc, attention and MLP projections)."""
+    if not name.endswith(".weight"):
+        return False
+    base = name[: -len(".weight")]
+    return any(base == lin or base.endswith("." + lin) for lin in DRAFTER_LINEARS)
+
+
+def drafter_weight_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a drafter checkpoint must hold, with its torch [out, in] shape."""
+    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {
+        "fc.weight": (h, cfg.num_taps * h),
+        "hidden_norm.weight": (h,),
+        "norm.weight": (h,),
+    }
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (q, h)
+        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
+        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        shapes[p + "self_attn.q_norm.weight"] = (hd,)
+        shapes[p + "self_attn.k_norm.weight"] = (hd,)
+        shapes[p + "mlp.gate_proj.weight"] = (inter, h)
+        shapes[p + "mlp.up_proj.weight"] = (inter, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, inter)
+    return shapes
+
+
+def quantized_shapes(
+    shape: tuple[int, ...], group_size: int, bits: int
+) -> dict[str, tuple[int, ...]]:
+    """Shapes of MLX's affine-quantized layout for an [out, in] weight (nn.QuantizedLinear)."""
+    out_dim, in_dim = shape
+    return {
+        "weight": (out_dim, in_dim * bits // 32),
+        "scales": (out_dim, in_dim // group_size),
+        "biases": (out_dim, in_dim // group_size),
+    }
+
+
+def check_drafter_weights(
+    cfg: DrafterConfig,
+    weights: dict[str, Any],
+    quantization: dict[str, Any] | None = None,
+) -> None:
+    """Raise a one-sentence DFlashError unless `weights` is exactly the drafter `cfg` describes.
+
+    `weights` maps names to anything with a `.shape`. With `quantization` ({"group_size",
+    "bits"}), a linear layer may be stored in MLX's quantized layout (`X.weight` packed uint32,
+    `X.scales`, `X.biases`); a layer without `X.scales` must still be float.
+    """
+    for name in sorted(weights):
+        if any(part in FOREIGN_TENSORS for part in name.split(".")):
+            raise DFlashError(
+                f"The drafter checkpoint carries its own '{name}', so it belongs to a different "
+                "drafter family; a DFlash drafter borrows the target's embeddings and LM head."
+            )
+    expected = dict(drafter_weight_shapes(cfg))
+    if quantization:
+        gs, bits = int(quantization["group_size"]), int(quantization["bits"])
+        for name, shape in list(expected.items()):
+            base = name[: -len(".weight")]
+            if is_drafter_linear(name) and f"{base}.scales" in weights:
+                for part, s in quantized_shapes(shape, gs, bits).items():
+                    expected[f"{base}.{part}"] = s
+    for name, shape in expected.items():
+        if name not in weights:
+            raise DFlashError(f"The drafter checkpoint is missing tensor '{name}'.")
+        got = tuple(weights[name].shape)
+        if got != shape:
+            raise DFlashError(
+                f"Drafter tensor '{name}' has shape {list(got)} but its config implies "
+                f"{list(shape)}."
+            )
+    extra = sorted(set(weights) - set(expected))
+    if extra:
+        raise DFlashError(
+            f"The drafter checkpoint has an unexpected tensor '{extra[0]}' that its config "
+            "does not describe."
+        )
+
+
+def check_pair(drafter_cfg: DrafterConfig, target_cfg: dict[str, Any]) -> None:
+    """Raise a one-sentence DFlashError unless the drafter fits the target (raw config.json)."""
+    t = text_config(target_cfg)
+    for key in ("hidden_size", "vocab_size", "num_hidden_layers"):
+        if key not in t:
+            raise DFlashError(f"The target config.json has no '{key}' field.")
+    hidden, vocab, n_layers = (
+        int(t["hidden_size"]),
+        int(t["vocab_size"]),
+        int(t["num_hidden_layers"]),
+    )
+    if drafter_cfg.hidden_size != hidden:
+        raise DFlashError(
+            f"The drafter's hidden size {drafter_cfg.hidden_size} differs from the target's "
+            f"{hidden}, so it was trained for another target."
+        )
+    if drafter_cfg.vocab_size != vocab:
+        raise DFlashError(
+            f"The drafter's vocabulary size {drafter_cfg.vocab_size} differs from the target's "
+            f"{vocab}, so it was trained for another target."
+        )
+    bad = [i for i in drafter_cfg.target_layer_ids if not 0 <= i < n_layers]
+    if bad:
+        raise DFlashError(
+            f"The drafter taps target layer {bad[0]} but the target has only {n_layers} layers."
+        )
+    if not 0 <= drafter_cfg.mask_token_id < vocab:
+        raise DFlashError(
+            f"The drafter's mask_token_id {drafter_cfg.mask_token_id} is outside the target's "
+            f"vocabulary of {vocab} tokens."
+        )
+
+
+def read_drafter(
+    folder: str | Path,
+    target_cfg: dict[str, Any] | None = None,
+    num_target_layers: int | None = None,
+) -> tuple[DrafterConfig, dict[str, mx.array]]:
+    """Resolve and validate a drafter folder (z-lab export or `convert` output).
+
+    With `target_cfg` (the target's raw config.json) missing tap ids are derived from its
+    layer count and the pair is checked; `num_target_layers` alone only derives the taps.
+    Weights stay lazy and keep their stored dtype.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DFlashError(f"The drafter folder {folder} does not exist.")
+    raw = read_config(folder, "drafter")
+    if not is_drafter_config(raw):
+        raise DFlashError(
+            f"{folder} is not a DFlash drafter (its config.json architectures do not list "
+            f"{DRAFTER_ARCHITECTURE}); pass a drafter folder to --drafter."
+        )
+    n_target = num_target_layers
+    if target_cfg is not None:
+        n_target = text_config(target_cfg).get("num_hidden_layers")
+    cfg = DrafterConfig.from_dict(raw, num_target_layers=n_target)
+    if target_cfg is not None:
+        check_pair(cfg, target_cfg)
+    weights = strip_model_prefix(load_weights(folder))
+    check_drafter_weights(cfg, weights, raw.get("quantization"))
+    return cfg, weights

@@ -1,0 +1,165 @@
+"""`dflash-mlx chat`: a multi-turn terminal chat on the speculative engine (the conversation
+itself is mlx_dflash.conversation). When stdin is not a terminal the loop is plain and
+line-oriented (one message or command per line, answers on stdout, notices and stats on
+stderr), so conversations can be scripted and tested.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+
+import typer
+
+from ..conversation import Conversation
+from ..models.pair import load_pair
+from ..prompts import stop_ids
+from . import options as opts
+
+COMMANDS = {
+    "/system TEXT": "set the system message (just /system clears it)",
+    "/reset": "forget the conversation (the system message stays)",
+    "/stats": "totals for this session",
+    "/help": "this list",
+    "/exit": "quit (also /quit or Ctrl-D)",
+}
+
+
+@contextlib.contextmanager
+def stop_on_ctrl_c() -> Iterator[Callable[[], bool]]:
+    """While answering, a first Ctrl-C asks to stop after the current round (the caches stay
+    consistent); a second one interrupts at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    state = {"stop": False}
+
+    def handler(signum, frame):
+        if state["stop"]:
+            raise KeyboardInterrupt
+        state["stop"] = True
+
+    old = signal.signal(signal.SIGINT, handler)
+    try:
+        yield lambda: state["stop"]
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+class PlainIO:
+    """Scripted use: lines in, answers out, no prompts or colours."""
+
+    def read(self) -> str | None:
+        line = sys.stdin.readline()
+        return None if line == "" else line.rstrip("\n")
+
+    def write(self, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def end_answer(self, line: str) -> None:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        print(line, file=sys.stderr)
+
+    def info(self, text: str) -> None:
+        print(text)
+
+    def notice(self, text: str) -> None:
+        print(text, file=sys.stderr)
+
+
+class RichIO:
+    """A terminal: a coloured prompt, line editing, streamed answers, dim stats."""
+
+    def __init__(self):
+        from rich.console import Console
+
+        with contextlib.suppress(ImportError):
+            import readline  # noqa: F401  (line editing and history for input())
+        self.console = Console(highlight=False)
+
+    def read(self) -> str | None:
+        while True:
+            try:
+                return self.console.input("[bold green]>>> [/]")
+            except EOFError:
+                self.console.print()
+                return None
+            except KeyboardInterrupt:
+                self.console.print("\n[dim](/exit or Ctrl-D quits)[/]")
+
+    def write(self, text: str) -> None:
+        self.console.print(text, end="", markup=False, style="cyan", soft_wrap=True)
+
+    def end_answer(self, line: str) -> None:
+        self.console.print()
+        self.console.print(f"[dim]{line}[/]")
+
+    def info(self, text: str) -> None:
+        self.console.print(text, markup=False)
+
+    def notice(self, text: str) -> None:
+        self.console.print(f"[yellow]{text}[/]")
+
+
+def run_chat(chat: Conversation, io) -> None:
+    """The read-answer loop shared by terminals and scripts."""
+    while True:
+        line = io.read()
+        if line is None:
+            return
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/"):
+            cmd, _, arg = text.partition(" ")
+            if cmd in ("/exit", "/quit"):
+                return
+            if cmd == "/reset":
+                chat.reset()
+                io.info("Conversation reset.")
+            elif cmd == "/stats":
+                io.info(chat.stats_text())
+            elif cmd == "/system":
+                chat.system = arg.strip() or None
+                io.info(f"System message set: {chat.system}" if chat.system else "System cleared.")
+            elif cmd == "/help":
+                io.info("\n".join(f"{k:<14} {v}" for k, v in COMMANDS.items()))
+            else:
+                io.info(f"Unknown command {cmd}; /help lists them.")
+            continue
+        with stop_on_ctrl_c() as stopped:
+            _, stats = chat.turn(text, io.write, stopped)
+        io.end_answer(chat.turn_line(stats))
+
+
+def chat_command(
+    model: str = opts.MODEL,
+    drafter: str = opts.DRAFTER,
+    max_tokens: int = typer.Option(512, "--max-tokens", "-n", min=1, help="Per answer."),
+    temp: float = opts.TEMP,
+    top_p: float = opts.TOP_P,
+    top_k: int = opts.TOP_K,
+    seed: int = opts.SEED,
+    mode: str = opts.MODE,
+    block_size: int = opts.BLOCK_SIZE,
+    budget: str = opts.BUDGET,
+    chat_template: bool = opts.CHAT_TEMPLATE,
+    system: str = opts.SYSTEM,
+) -> None:
+    """Chat with a model in the terminal (/help for commands); scriptable through stdin."""
+    cfg = opts.generation_config(max_tokens, temp, top_p, top_k, seed, mode, block_size, budget)
+    target, runner = load_pair(model, drafter, mode)
+    cfg = dataclasses.replace(cfg, stop_ids=stop_ids(target.tokenizer))
+    chat = Conversation(target, runner, cfg, system, chat_template)
+    io = RichIO() if sys.stdin.isatty() and sys.stdout.isatty() else PlainIO()
+    if isinstance(io, RichIO):
+        io.notice(f"dflash-mlx chat ({mode}) - /help for commands, /exit to quit")
+    if not chat.templated:
+        io.notice("This model has no chat template: turns are joined as plain text.")
+    run_chat(chat, io)

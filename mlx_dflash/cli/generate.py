@@ -1,0 +1,54 @@
+"""`dflash-mlx generate`: one prompt, streamed to the terminal (or one JSON object)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import typer
+
+from ..engine import Session, Stats, stream_generate
+from ..models.pair import load_pair
+from ..prompts import encode_prompt, stop_ids
+from . import options as opts
+
+
+def generate_command(
+    prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text, or '-' to read stdin."),
+    model: str = opts.MODEL,
+    drafter: str = opts.DRAFTER,
+    max_tokens: int = typer.Option(256, "--max-tokens", "-n", min=1),
+    temp: float = opts.TEMP,
+    top_p: float = opts.TOP_P,
+    top_k: int = opts.TOP_K,
+    seed: int = opts.SEED,
+    mode: str = opts.MODE,
+    block_size: int = opts.BLOCK_SIZE,
+    budget: str = opts.BUDGET,
+    chat_template: bool = opts.CHAT_TEMPLATE,
+    system: str = opts.SYSTEM,
+    as_json: bool = typer.Option(False, "--json", help="Print text and stats as one JSON object."),
+    quiet_stats: bool = typer.Option(False, "--no-stats", help="Do not print the stats line."),
+) -> None:
+    """Generate text with DFlash / DDTree speculative decoding (or plain decoding: --mode ar)."""
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    cfg = opts.generation_config(max_tokens, temp, top_p, top_k, seed, mode, block_size, budget)
+    target, runner = load_pair(model, drafter, mode)
+    ids = encode_prompt(target.tokenizer, prompt, chat_template, system)
+    cfg = dataclasses.replace(cfg, stop_ids=stop_ids(target.tokenizer))
+    session = Session(target, runner if mode != "ar" else None)
+    stats, text = Stats(), []
+    for chunk in stream_generate(session, ids, cfg):
+        stats.add(chunk.round)
+        text.append(chunk.text)
+        if not as_json:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+    if as_json:
+        print(json.dumps({"text": "".join(text), "mode": mode, **stats.to_dict()}))
+        return
+    sys.stdout.write("\n")
+    if not quiet_stats:
+        print(stats.line(), file=sys.stderr)

@@ -1,0 +1,41 @@
+"""Flags shared by generate, chat and bench (one definition, one help text), and the engine
+settings they make."""
+
+from __future__ import annotations
+
+import typer
+
+from ..engine import GenerationConfig, SamplingParams
+
+MODEL = typer.Option(
+    None, "--model", "-m", help="Target folder or hub id (default: embedded stories260K)."
+)
+DRAFTER = typer.Option(
+    None, "--drafter", "-d", help="DFlash drafter folder or hub id (found for known targets)."
+)
+TEMP = typer.Option(0.0, "--temp", min=0.0, help="0 = greedy.")
+TOP_P = typer.Option(1.0, "--top-p", min=0.0, max=1.0)
+TOP_K = typer.Option(0, "--top-k", min=0)
+SEED = typer.Option(None, "--seed")
+MODE = typer.Option("dflash", "--mode", help="dflash | ddtree | ar")
+BLOCK_SIZE = typer.Option(None, "--block-size", help="At most the drafter's.")
+BUDGET = typer.Option("16", "--budget", help="DDTree node budget, or 'auto'.")
+CHAT_TEMPLATE = typer.Option(
+    None, "--chat-template/--no-chat-template", help="Default: use it when the model has one."
+)
+SYSTEM = typer.Option(None, "--system", help="System message (chat template).")
+
+
+def generation_config(
+    max_tokens, temp, top_p, top_k, seed, mode, block_size, budget
+) -> GenerationConfig:
+    """The engine settings behind the shared flags, checked before any model is loaded (the
+    stop tokens are the tokenizer's, set once it is)."""
+    return GenerationConfig(
+        max_tokens=max_tokens,
+        sampling=SamplingParams(temp, top_p, top_k),
+        seed=seed,
+        mode=mode,
+        block_size=block_size,
+        budget=budget,
+    )

@@ -1,0 +1,168 @@
+"""`dflash-mlx train`: train a DFlash drafter for a target on prompts answered by the target
+itself (the work is mlx_dflash.training; recipes in training/README.md)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import typer
+
+from ..checkpoints.read import check_pair
+from ..errors import DFlashError
+from ..models.drafter import init_drafter, load_drafter
+from ..training.checkpoint import load_checkpoint
+from ..training.data import encode, load_records
+from ..training.trainer import (
+    TrainConfig,
+    Trainer,
+    answer,
+    load_training_target,
+    new_drafter_config,
+    prepare_prompts,
+)
+
+
+def _parse_ints(s: str | None) -> list[int] | None:
+    if not s:
+        return None
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise DFlashError(f"Expected comma-separated integers, not '{s}'.") from None
+
+
+def _parse_floats(s: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise DFlashError(f"Expected comma-separated numbers, not '{s}'.") from None
+
+
+def train_command(
+    model: str = typer.Option(
+        None, "--model", "-m", help="Target model folder (default: embedded stories260K)."
+    ),
+    data: list[Path] = typer.Option(
+        [], "--data", help="Prompt JSONL file(s) (prompt/question/text field); repeatable."
+    ),
+    out: Path = typer.Option(..., "--out", "-o", help="Output folder: checkpoint and data."),
+    layers: int = typer.Option(2, "--layers", min=1, help="Drafter decoder layers."),
+    heads: int = typer.Option(None, "--heads", min=1, help="Drafter heads (default: target's)."),
+    window: int = typer.Option(
+        None, "--window", min=1, help="Sliding-window attention over the last N positions."
+    ),
+    taps: str = typer.Option(None, "--taps", help="Tapped target layers, e.g. 1,3."),
+    block_size: int = typer.Option(16, "--block-size", min=2),
+    mask_token_id: int = typer.Option(None, "--mask-token-id", help="Default: unk/pad."),
+    init: Path = typer.Option(None, "--init", help="Start from this drafter checkpoint."),
+    steps: int = typer.Option(1000, "--steps", min=1),
+    lr: float = typer.Option(1e-3, "--lr"),
+    warmup: int = typer.Option(50, "--warmup", min=0),
+    batch: int = typer.Option(8, "--batch", min=1, help="Sequences per step."),
+    anchors: int = typer.Option(16, "--anchors", min=1, help="Blocks per sequence."),
+    gamma: float = typer.Option(7.0, "--gamma", help="Loss decay over block slots."),
+    max_len: int = typer.Option(512, "--max-len", help="Truncate sequences to this."),
+    clip: float = typer.Option(1.0, "--clip", help="Gradient norm clip."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in --out."),
+    eval_every: int = typer.Option(200, "--eval-every", min=0, help="0: only at the end."),
+    eval_prompts: int = typer.Option(8, "--eval-prompts", min=0, help="Held-out prompts."),
+    eval_tokens: int = typer.Option(96, "--eval-tokens", min=2),
+    save_every: int = typer.Option(200, "--save-every", min=0),
+    cache_taps: bool = typer.Option(
+        None, "--cache-taps/--no-cache-taps", help="Keep all taps in memory (default: if < 2 GB)."
+    ),
+    loss_vocab: str = typer.Option(
+        "full",
+        "--loss-vocab",
+        help="full, or corpus: softmax over the tokens the answers use plus --negatives "
+        "random others (much faster with a large vocabulary).",
+    ),
+    negatives: int = typer.Option(1024, "--negatives", min=0, help="See --loss-vocab."),
+    precondition: bool = typer.Option(
+        True, "--precondition/--no-precondition", help="Scale tap features to equal size for fc."
+    ),
+    num_prompts: int = typer.Option(0, "--num-prompts", min=0, help="Use the first N (0: all)."),
+    story_words: int = typer.Option(
+        6, "--story-words", min=2, help="No --data, no chat template: openings of 2..N words."
+    ),
+    gen_temps: str = typer.Option("0,0.7", "--gen-temps", help="Answer temperatures, cycled."),
+    gen_max_tokens: int = typer.Option(256, "--gen-max-tokens", min=1),
+    gen_batch: int = typer.Option(32, "--gen-batch", min=1),
+    gen_only: bool = typer.Option(False, "--gen-only", help="Only answer prompts, no training."),
+    gen: bool = typer.Option(
+        True, "--gen/--no-gen", help="--no-gen: train on the answers already in OUT, answer none."
+    ),
+    dequantize: bool = typer.Option(True, "--dequantize/--keep-quantized"),
+    seed: int = typer.Option(0, "--seed"),
+) -> None:
+    """Train a DFlash drafter for a target on prompts answered by the target itself."""
+    target = load_training_target(model, dequantize)
+    prompts = prepare_prompts(target, data, out, num_prompts, seed, story_words)
+    if eval_prompts >= len(prompts):
+        raise DFlashError(f"Only {len(prompts)} prompts: fewer than --eval-prompts + 1.")
+    train_prompts = prompts[: len(prompts) - eval_prompts]
+    held_out = prompts[len(prompts) - eval_prompts :]
+    shard = out / "answers.jsonl"
+    if gen:
+        temps = _parse_floats(gen_temps)
+        answer(target, train_prompts, shard, temps, gen_max_tokens, gen_batch, seed)
+    elif not shard.exists():
+        raise DFlashError(f"--no-gen needs answers in {shard}; run without it first.")
+    if gen_only:
+        typer.echo(f"Answers in {shard}")
+        return
+    cfg = TrainConfig(
+        steps=steps,
+        lr=lr,
+        warmup=warmup,
+        batch=batch,
+        anchors=anchors,
+        gamma=gamma,
+        max_len=max_len,
+        clip=clip,
+        seed=seed,
+        eval_every=eval_every,
+        eval_tokens=eval_tokens,
+        save_every=save_every,
+        loss_vocab=loss_vocab,
+        negatives=negatives,
+        precondition=precondition,
+    )
+    records = load_records([shard])
+    opt_state, step, fresh = None, 0, False
+    if resume and (out / "model.safetensors").exists():
+        drafter, opt_state, step = load_checkpoint(out, target.num_layers)
+    elif init is not None:
+        drafter = load_drafter(init, num_target_layers=target.num_layers)
+    else:
+        dcfg = new_drafter_config(
+            target, layers, _parse_ints(taps), block_size, mask_token_id, heads, window
+        )
+        drafter = init_drafter(dcfg, seed=seed)
+        fresh = True
+    check_pair(drafter.cfg, target.config)
+    if cache_taps is None:
+        n_tok = sum(min(len(r["tokens"]), max_len) for r in records)
+        cache_taps = n_tok * drafter.cfg.num_taps * target.hidden_size * 2 < 2**31
+    cfg.cache_taps = cache_taps
+    trainer = Trainer(
+        target,
+        drafter,
+        records,
+        cfg,
+        out=out,
+        eval_prompts=[encode(target.tokenizer, p) for p in held_out],
+        step=step,
+        opt_state=opt_state,
+        fresh=fresh,
+    )
+    t0 = time.perf_counter()
+    trainer.run()
+    ev = trainer.evaluate()
+    if ev is not None:
+        typer.echo(
+            f"final eval tau {ev['tau']:.2f} (per response {ev['tau_per_response']:.2f}) "
+            f"over {len(held_out)} held-out prompts"
+        )
+    typer.echo(f"Trained {trainer.step} steps in {time.perf_counter() - t0:.0f}s; wrote {out}")

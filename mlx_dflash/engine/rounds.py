@@ -1,0 +1,99 @@
+"""The steps of a generation: prefill, one DFlash round, one plain decoding step.
+
+A DFlash round drafts a block in one drafter pass, verifies it in one target pass and commits
+the accepted prefix (docs/dflash.md); DDTree's round is in ddtree.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from .sampling import SamplingParams, accept_greedy, accept_speculative, draw, token_probs
+from .session import GenerationConfig, Round, Session
+
+
+def _sync(x) -> None:
+    mx.eval(x)
+
+
+def prefill(session: Session, prompt: list[int], cfg: GenerationConfig) -> tuple[mx.array, Round]:
+    """Run the new part of the prompt in chunks; feed taps to the drafter as they come."""
+    t0 = time.perf_counter()
+    target, drafter = session.target, session.drafter
+    new = session.rewind(prompt)
+    logits = None
+    for i in range(0, len(new), cfg.prefill_chunk):
+        chunk = new[i : i + cfg.prefill_chunk]
+        start = len(session.tokens)
+        logits, taps = target.forward(
+            mx.array(chunk),
+            session.cache,
+            start,
+            logits="last",
+            taps=drafter is not None,
+            rewindable=False,
+        )
+        if drafter is not None:
+            drafter.add_context(taps)
+        _sync((logits, [c.state_arrays for c in session.cache]))
+        session.tokens.extend(chunk)
+    for c in session.cache:
+        c.snapshot()
+    dt = time.perf_counter() - t0
+    return logits, Round([], 0, 0, prefill=True, prefill_tokens=len(new), t_prefill=dt)
+
+
+def _pick(logits: mx.array, sampling: SamplingParams, rng) -> int:
+    if sampling.greedy:
+        return int(mx.argmax(logits[-1]).item())
+    return draw(token_probs(logits[-1:], sampling)[0], rng)
+
+
+def dflash_round(session: Session, last: int, n: int, sampling, rng) -> Round:
+    """Draft n tokens in one drafter pass, verify n+1 in one target pass, commit the accepted."""
+    target, drafter = session.target, session.drafter
+    start = len(session.tokens)
+    t0 = time.perf_counter()
+    q_logits = drafter.propose(last, start, n)
+    if sampling.greedy:
+        drafts = np.array(mx.argmax(q_logits, axis=-1), dtype=np.int64)
+    else:
+        q = token_probs(q_logits, sampling)
+        drafts = np.array([draw(row, rng) for row in q], dtype=np.int64)
+    t1 = time.perf_counter()
+    tokens = mx.array(np.concatenate([[last], drafts]).astype(np.int32))
+    logits, taps = target.forward(tokens, session.cache, start)
+    if sampling.greedy:
+        argmax = np.array(mx.argmax(logits, axis=-1))
+        t2 = time.perf_counter()
+        a, bonus = accept_greedy(drafts, argmax)
+    else:
+        p = token_probs(logits, sampling)
+        t2 = time.perf_counter()
+        a, bonus = accept_speculative(drafts, p, q, rng)
+    for c in session.cache:
+        c.trim(start + a + 1)
+    session.tokens.extend([last, *drafts[:a].tolist()])
+    drafter.add_context(taps[: a + 1])
+    out = [*drafts[:a].tolist(), bonus]
+    return Round(out, a + 1, n, t_draft=t1 - t0, t_verify=t2 - t1, t_other=time.perf_counter() - t2)
+
+
+def plain_round(session: Session, last: int, sampling, rng, feed_drafter: bool = False) -> Round:
+    """Plain decoding through the same adapter: the baseline, and DDTree's pause between drafts.
+
+    feed_drafter: also hand the drafter this position's taps, so drafting can resume next round.
+    """
+    t0 = time.perf_counter()
+    start = len(session.tokens)
+    logits, taps = session.target.forward(
+        mx.array([last]), session.cache, start, taps=feed_drafter, rewindable=False
+    )
+    if feed_drafter:
+        session.drafter.add_context(taps)
+    tok = _pick(logits, sampling, rng)
+    session.tokens.append(last)
+    return Round([tok], 1, 0, t_verify=time.perf_counter() - t0)

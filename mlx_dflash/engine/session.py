@@ -1,0 +1,94 @@
+"""What a generation is asked to do (GenerationConfig), what each round produced (Round), and
+the state that outlives a call (Session): the target's and drafter's caches and the tokens
+they hold. docs/dflash.md has the conventions (slot 0, positions, cache commit)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import DFlashError
+from .sampling import SamplingParams
+
+MODES = ("dflash", "ddtree", "ar")
+
+
+def parse_budget(budget: int | str) -> int | str:
+    """A DDTree budget: a positive integer (or its text), or "auto"."""
+    if budget == "auto":
+        return "auto"
+    try:
+        b = int(budget)
+    except (TypeError, ValueError):
+        b = 0
+    if b < 1 or isinstance(budget, float | bool):
+        raise DFlashError(
+            f"The DDTree budget (--budget) must be a positive integer or 'auto', not '{budget}'."
+        )
+    return b
+
+
+@dataclass
+class GenerationConfig:
+    """Checked when built: a bad mode or budget is one sentence before any model work."""
+
+    max_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None
+    mode: str = "dflash"
+    block_size: int | None = None  # None: the drafter's
+    budget: int | str = 16  # DDTree node budget, or "auto"
+    branching: int | None = None  # DDTree: max children per node (None: the budget; 1: a chain)
+    prefill_chunk: int = 512
+    stop_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise DFlashError(f"Unknown mode '{self.mode}' (choose from {', '.join(MODES)}).")
+        self.budget = parse_budget(self.budget)
+
+
+@dataclass
+class Round:
+    """What one round produced and where its time went."""
+
+    tokens: list[int]
+    accepted: int  # tau: drafts accepted + the bonus token
+    drafted: int
+    t_draft: float = 0.0
+    t_verify: float = 0.0
+    t_other: float = 0.0
+    prefill: bool = False
+    prefill_tokens: int = 0
+    t_prefill: float = 0.0
+    finished: str | None = None  # "stop" | "length" when this round ends generation
+
+
+class Session:
+    """Caches that outlive one generate call (chat reuses the prompt prefix across turns).
+
+    A Session is not thread-safe: one generation at a time runs on it.
+    """
+
+    def __init__(self, target, drafter=None):
+        self.target = target
+        self.drafter = drafter
+        self.cache = target.make_cache()
+        self.tokens: list[int] = []  # tokens whose K/V sit in the target cache
+
+    def rewind(self, prompt: list[int]) -> list[int]:
+        """Keep the longest cached prefix of `prompt` (at least one token left to run)."""
+        n = 0
+        limit = min(len(self.tokens), len(prompt) - 1)
+        while n < limit and self.tokens[n] == prompt[n]:
+            n += 1
+        if self.drafter is not None:
+            # The drafter can lag the target (a plain-decoding last step feeds it no taps).
+            n = min(n, self.drafter.context_len)
+        # Recurrent layers only rewind to a few points (see models/gated_deltanet.py).
+        n = min([n] + [c.rewind_point(n) for c in self.cache])
+        for c in self.cache:
+            c.trim(n)
+        if self.drafter is not None:
+            self.drafter.reset(n)
+        self.tokens = self.tokens[:n]
+        return prompt[n:]

@@ -1,0 +1,96 @@
+"""What users look at after a generation: speeds, acceptance length tau, its histogram and
+the round-by-round lengths, and where the time went."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from .session import Round
+
+
+@dataclass
+class Stats:
+    """Aggregates rounds into what users look at: speeds, tau and its histogram, time split."""
+
+    prompt_tokens: int = 0
+    t_prefill: float = 0.0
+    tokens: int = 0
+    t_draft: float = 0.0
+    t_verify: float = 0.0
+    t_other: float = 0.0
+    taus: list[int] = field(default_factory=list)
+    draft_rounds: int = 0  # rounds that ran the drafter (auto's pauses and plain steps do not)
+    finish: str | None = None
+
+    def merge(self, other: Stats) -> None:
+        """Add another generation's totals (a chat session's running stats)."""
+        self.prompt_tokens += other.prompt_tokens
+        self.t_prefill += other.t_prefill
+        self.tokens += other.tokens
+        self.t_draft += other.t_draft
+        self.t_verify += other.t_verify
+        self.t_other += other.t_other
+        self.taus += other.taus
+        self.draft_rounds += other.draft_rounds
+
+    def add(self, r: Round) -> None:
+        if r.prefill:
+            self.prompt_tokens += r.prefill_tokens
+            self.t_prefill += r.t_prefill
+            self.t_other += r.t_other  # sampling the first token
+        else:
+            self.taus.append(r.accepted)
+            self.draft_rounds += r.t_draft > 0
+            self.t_draft += r.t_draft
+            self.t_verify += r.t_verify
+            self.t_other += r.t_other
+        self.tokens += len(r.tokens)
+        self.finish = r.finished or self.finish
+
+    @property
+    def t_decode(self) -> float:
+        return self.t_draft + self.t_verify + self.t_other
+
+    @property
+    def mean_tau(self) -> float:
+        return sum(self.taus) / len(self.taus) if self.taus else 0.0
+
+    @property
+    def histogram(self) -> dict[int, int]:
+        return dict(sorted(Counter(self.taus).items()))
+
+    def to_dict(self) -> dict:
+        gen_tps = (
+            (self.tokens - 1) / self.t_decode if self.t_decode > 0 and self.tokens > 1 else 0.0
+        )
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_tps": self.prompt_tokens / self.t_prefill if self.t_prefill else 0.0,
+            "generated_tokens": self.tokens,
+            "generation_tps": gen_tps,
+            "rounds": len(self.taus),
+            "draft_rounds": self.draft_rounds,
+            "mean_tau": self.mean_tau,
+            "tau_histogram": self.histogram,
+            # Round by round, to compare with other implementations (the last rounds draft
+            # no further than the remaining token budget, so they may be shorter).
+            "acceptance_lengths": list(self.taus),
+            "time_draft_s": self.t_draft,
+            "time_verify_s": self.t_verify,
+            "time_other_s": self.t_other,
+            "time_prefill_s": self.t_prefill,
+            "finish_reason": self.finish,
+        }
+
+    def line(self) -> str:
+        d = self.to_dict()
+        total = self.t_decode or 1.0
+        hist = " ".join(f"{k}:{v}" for k, v in d["tau_histogram"].items())
+        return (
+            f"prompt {d['prompt_tokens']} tok @ {d['prompt_tps']:.1f} tok/s | "
+            f"gen {d['generated_tokens']} tok @ {d['generation_tps']:.1f} tok/s | "
+            f"tau {d['mean_tau']:.2f} [{hist}] | "
+            f"draft {100 * self.t_draft / total:.0f}% verify {100 * self.t_verify / total:.0f}% "
+            f"other {100 * self.t_other / total:.0f}%"
+        )

@@ -1,0 +1,272 @@
+"""The DFlash block-diffusion drafter (docs/dflash.md, docs/checkpoints.md) and the state that runs it.
+
+A few Qwen3-style layers that see the target's tapped hidden states through "KV injection":
+each layer projects the (fc + hidden_norm) context with its own k/v projections into a cache,
+and a block [last token, MASK x (bs-1)] attends bidirectionally over that cache plus itself.
+The drafter has no embeddings or LM head: it borrows the target's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.rope_utils import initialize_rope
+
+from ..errors import DFlashError
+from .cache import KVCache
+from .drafter_config import DrafterConfig
+
+# Optional, beside config.json: {"token_ids": [...]}, the only tokens this drafter proposes.
+# A drafter trained with a sub-vocabulary loss never learnt to rank the other tokens, and on a
+# CPU the LM head over the full vocabulary is most of a draft's cost (EAGLE-3's draft vocabulary
+# is the same idea). Other DFlash implementations ignore the file and use the full vocabulary.
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.scale = d**-0.5
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
+        self.q_norm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
+        self.rope = initialize_rope(
+            d, cfg.rope_theta, False, cfg.rope_scaling, cfg.max_position_embeddings
+        )
+
+    def project_kv(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+        """K/V of x (1, L, H) at positions offset.., shaped (1, n_kv, L, d)."""
+        L = x.shape[1]
+        k = self.k_norm(self.k_proj(x).reshape(1, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(1, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return self.rope(k, offset=offset), v
+
+    def __call__(self, x, ctx_keys, ctx_values, start: int, mask) -> mx.array:
+        L = x.shape[1]
+        q = self.q_norm(self.q_proj(x).reshape(1, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        q = self.rope(q, offset=start)
+        k, v = self.project_kv(x, start)
+        keys = mx.concatenate([ctx_keys, k], axis=2)
+        values = mx.concatenate([ctx_values, v], axis=2)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, L, -1))
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, h: int, i: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def __call__(self, x):
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.self_attn = DrafterAttention(cfg)
+        self.mlp = DrafterMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+
+class DFlashDrafter(nn.Module):
+    """Parameter names match the published z-lab checkpoints exactly."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.fc = nn.Linear(cfg.num_taps * h, h, bias=False)
+        self.hidden_norm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
+        self.layers = [DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers)]
+        self.norm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
+        self.draft_vocab: np.ndarray | None = None  # see DRAFT_VOCAB_FILE (numpy: not a weight)
+
+    def block_mask(self, i: int, start: int, ctx_len: int, bs: int):
+        """None (bidirectional, full context) or a boolean (bs, ctx_len + bs) mask."""
+        causal, window = self.cfg.layer_is_causal(i), self.cfg.layer_window(i)
+        if not causal and window is None:
+            return None
+        q_pos = mx.arange(start, start + bs)[:, None]
+        k_pos = mx.concatenate([mx.arange(start - ctx_len, start), mx.arange(start, start + bs)])
+        k_pos = k_pos[None, :]
+        in_block = k_pos >= start
+        mask = mx.ones((bs, ctx_len + bs), dtype=mx.bool_)
+        if causal:
+            mask = mask & (~in_block | (k_pos <= q_pos))
+        if window is not None:
+            mask = mask & (k_pos > q_pos - window)
+        return mask
+
+    def add_context(self, ctx: mx.array, cache: list[KVCache]) -> None:
+        """Project new target taps (n, n_taps*H) once and append them to every layer's cache."""
+        c = self.hidden_norm(self.fc(ctx[None]))
+        offset = cache[0].offset
+        for layer, lc in zip(self.layers, cache, strict=True):
+            k, v = layer.self_attn.project_kv(c, offset)
+            lc.append(k, v)
+
+    def __call__(self, block_embeds: mx.array, cache: list[KVCache], start: int) -> mx.array:
+        """Hidden states (bs, H) for a block at positions start.., over the cached context."""
+        h = block_embeds[None]
+        bs = h.shape[1]
+        for i, (layer, lc) in enumerate(zip(self.layers, cache, strict=True)):
+            ctx_k = lc.keys[..., : lc.offset, :] if lc.keys is not None else _empty_kv(layer, h)
+            ctx_v = lc.values[..., : lc.offset, :] if lc.values is not None else _empty_kv(layer, h)
+            mask = self.block_mask(i, start, lc.offset, bs)
+            h = h + layer.self_attn(layer.input_layernorm(h), ctx_k, ctx_v, start, mask)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)[0]
+
+
+def _empty_kv(layer: DrafterLayer, h: mx.array) -> mx.array:
+    attn = layer.self_attn
+    d = attn.k_norm.weight.shape[0]
+    return mx.zeros((1, attn.n_kv_heads, 0, d), dtype=h.dtype)
+
+
+class DrafterRunner:
+    """A drafter bound to a target's embeddings and LM head, with its own context cache.
+
+    The engine talks to every draft source through this interface (tests substitute oracle
+    drafters): `add_context` feeds verified taps, `propose` returns logits for the n slots
+    after the last verified token.
+    """
+
+    def __init__(self, drafter: DFlashDrafter, target):
+        self.drafter = drafter
+        self.cfg = drafter.cfg
+        self.target = target
+        self.block_size = self.cfg.block_size
+        self.cache = [KVCache() for _ in drafter.layers]
+        self.vocab = self.rows = None
+        if drafter.draft_vocab is not None:
+            self.vocab = mx.array(drafter.draft_vocab.astype(np.int32))
+            self.rows = target.lm_head_rows(self.vocab)  # gathered once: (S, H)
+
+    @property
+    def context_len(self) -> int:
+        return self.cache[0].offset
+
+    def reset(self, length: int = 0) -> None:
+        for c in self.cache:
+            c.trim(length)
+
+    def add_context(self, taps: mx.array) -> None:
+        self.drafter.add_context(taps, self.cache)
+
+    def propose(self, last_token: int, start: int, n: int) -> mx.array:
+        """Logits (n, V) for positions start+1..start+n, from one drafter pass."""
+        assert start == self.context_len, "drafter context out of sync with the target"
+        cfg = self.cfg
+        block = mx.array([last_token] + [cfg.mask_token_id] * (self.block_size - 1))
+        emb = self.target.embed(block)
+        if cfg.input_embedding_scale is not None:
+            emb = emb * cfg.input_embedding_scale
+        h = self.drafter(emb, self.cache, start)[1 : n + 1]
+        if self.vocab is None:
+            return drafter_logits(cfg, self.target, h)
+        sub = drafter_logits(cfg, self.target, h, rows=self.rows)
+        full = mx.full((n, self.target.vocab_size), -mx.inf, dtype=sub.dtype)
+        full[:, self.vocab] = sub  # tokens outside the draft vocabulary are never proposed
+        return full
+
+
+def drafter_logits(
+    cfg: DrafterConfig,
+    target,
+    h: mx.array,
+    vocab: mx.array | None = None,
+    rows: mx.array | None = None,
+):
+    """The target's LM head plus the drafter's optional output transforms.
+
+    `vocab`: only these token ids' logits (training's sub-vocabulary loss), in that order;
+    `rows`: their LM head rows, when the caller has them already.
+    """
+    if rows is None and vocab is not None:
+        rows = target.lm_head_rows(vocab)
+    logits = target.lm_head(h) if rows is None else h @ rows.T
+    if cfg.output_multiplier is not None:
+        logits = logits * cfg.output_multiplier
+    if cfg.final_logit_softcapping is not None:
+        cap = cfg.final_logit_softcapping
+        logits = mx.tanh(logits / cap) * cap
+    return logits
+
+
+def load_drafter(
+    path: str | Path, num_target_layers: int | None = None, target_config: dict | None = None
+) -> DFlashDrafter:
+    """Load a (converted or published) drafter folder, validated by `checkpoint.read_drafter`
+    (with `target_config`, against its target too)."""
+    from ..checkpoints.read import read_drafter
+
+    path = Path(path)
+    cfg, weights = read_drafter(path, target_config, num_target_layers)
+    model = DFlashDrafter(cfg)
+    quant = json.loads((path / "config.json").read_text()).get("quantization")
+    if quant:
+        nn.quantize(
+            model,
+            group_size=quant["group_size"],
+            bits=quant["bits"],
+            class_predicate=lambda p, m: isinstance(m, nn.Linear) and f"{p}.scales" in weights,
+        )
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+        mx.eval(model.parameters())
+    except (ValueError, RuntimeError) as e:
+        raise DFlashError(f"Could not load the drafter weights in {path}: {e}") from None
+    model.draft_vocab = read_draft_vocab(path, cfg.vocab_size)
+    return model
+
+
+def read_draft_vocab(folder: Path, vocab_size: int | None) -> np.ndarray | None:
+    """The drafter folder's draft vocabulary (sorted unique token ids), or None."""
+    f = Path(folder) / DRAFT_VOCAB_FILE
+    if not f.exists():
+        return None
+    try:
+        ids = np.array(json.loads(f.read_text())["token_ids"], dtype=np.int64)
+    except (ValueError, KeyError, TypeError) as e:
+        raise DFlashError(f"Could not read {f}: {e}.") from None
+    if ids.ndim != 1 or not len(ids):
+        raise DFlashError(f"{f} must list at least one token id.")
+    if ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size):
+        raise DFlashError(f"{f} lists token ids outside the vocabulary of {vocab_size}.")
+    return np.unique(ids)
+
+
+def write_draft_vocab(folder: Path, ids) -> None:
+    (Path(folder) / DRAFT_VOCAB_FILE).write_text(
+        json.dumps({"token_ids": [int(i) for i in np.unique(np.asarray(ids))]})
+    )
+
+
+def init_drafter(cfg: DrafterConfig, seed: int = 0) -> DFlashDrafter:
+    """A randomly initialised drafter (before training; tests)."""
+    mx.random.seed(seed)
+    model = DFlashDrafter(cfg)
+    std = 1.0 / math.sqrt(cfg.hidden_size)
+    params = nn.utils.tree_flatten(model.parameters())
+    new = [
+        (k, mx.ones_like(v) if k.endswith("norm.weight") else mx.random.normal(v.shape) * std)
+        for k, v in params
+    ]
+    model.load_weights(new)
+    mx.eval(model.parameters())
+    return model

@@ -1,0 +1,30 @@
+"""Checkpoint -> loaded target + drafter: the first step of every command and of the server."""
+
+from __future__ import annotations
+
+from ..checkpoints.registry import find_drafter
+from ..checkpoints.resolve import resolve_model
+from ..paths import DEFAULT_DRAFTER, DEFAULT_TARGET
+from .drafter import DrafterRunner, load_drafter
+from .target import Target, load_target
+
+
+def load_pair(
+    model: str | None = None, drafter: str | None = None, mode: str = "dflash"
+) -> tuple[Target, DrafterRunner | None]:
+    """Target and drafter from folders or hub ids (the embedded default pair when neither is
+    given); a known target finds its published drafter without `drafter`. `mode` "ar" with no
+    drafter named loads the target alone."""
+    if model is None:
+        model = str(DEFAULT_TARGET)
+        drafter = drafter or str(DEFAULT_DRAFTER)
+    target_path = resolve_model(model, "target")
+    target = load_target(target_path)
+    if mode == "ar" and drafter is None:
+        return target, None
+    if drafter is None:
+        drafter = find_drafter(model)
+    drafter_path = resolve_model(drafter, "drafter", target=target_path)
+    draft_model = load_drafter(drafter_path, target_config=target.config)
+    target.set_taps(draft_model.cfg.target_layer_ids)
+    return target, DrafterRunner(draft_model, target)

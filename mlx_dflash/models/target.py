@@ -1,0 +1,211 @@
+"""The target model, driven through our own layer loop over mlx-lm's modules and weights.
+
+Speculative decoding needs three things mlx-lm's `Model.__call__` does not give: one position
+per token (tree nodes at the same depth share a position), an arbitrary attention structure
+(a causal block or a tree given by parent indices), and the hidden states of the tapped
+layers. Rather than patch mlx-lm's classes, we call their submodules (projections, norms,
+rope, MLP/MoE) from one loop here; what differs per architecture is declared in ARCHITECTURES.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..checkpoints.read import is_drafter_config, read_config, text_config
+from ..errors import DFlashError
+from ..kernels.tree_attention import tree_depths
+from .attention import AttentionSpec, attention
+from .cache import KVCache
+from .gated_deltanet import RecurrentCache, gdn_forward
+
+ARCHITECTURES: dict[str, AttentionSpec] = {
+    "llama": AttentionSpec(),
+    "mistral": AttentionSpec(),
+    "qwen2": AttentionSpec(),
+    "qwen3": AttentionSpec(qk_norm=True),
+    "qwen3_moe": AttentionSpec(qk_norm=True),
+    # Hybrid: 3 of 4 layers are Gated DeltaNet (mlx_dflash/hybrid.py); partial RoPE comes
+    # with the rope module mlx-lm builds.
+    "qwen3_5": AttentionSpec(qk_norm=True, gated=True),
+    "qwen3_5_moe": AttentionSpec(qk_norm=True, gated=True),
+    "qwen3_next": AttentionSpec(qk_norm=True, gated=True),
+}
+# Text-only exports of the multimodal Qwen3.5 / 3.6 checkpoints name their language model's own
+# type; mlx-lm builds both layouts from the wrapper's module (its ModelArgs accepts a flat config).
+TEXT_MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+
+
+def architecture(config: dict) -> str:
+    """The ARCHITECTURES key (and mlx-lm module) for a raw config.json, or one sentence why not.
+
+    Published Qwen3.5 / 3.6 checkpoints wrap the language model (`model_type: qwen3_5`, its
+    fields under `text_config`, whose own type is `qwen3_5_text`); either spelling maps here.
+    """
+    if is_drafter_config(config):
+        raise DFlashError(
+            "This is a DFlash drafter, not a target model: pass it with --drafter, and the "
+            "model it drafts for with --model."
+        )
+    names = [config.get("model_type"), text_config(config).get("model_type")]
+    for name in names:
+        name = TEXT_MODEL_TYPES.get(name, name)
+        if name in ARCHITECTURES:
+            return name
+    shown = next((n for n in names if n), "unknown")
+    supported = ", ".join(sorted(ARCHITECTURES))
+    raise DFlashError(f"Target architecture '{shown}' is not supported (supported: {supported}).")
+
+
+def model_classes(config: dict):
+    """mlx-lm's (Model, ModelArgs) for a config, text-only Qwen3.5 exports included."""
+    from mlx_lm.utils import _get_classes
+
+    return _get_classes({**config, "model_type": architecture(config)})
+
+
+class Target:
+    """A loaded mlx-lm model plus the bits the engine needs: taps, caches, a flexible forward."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any, config: dict, tap_ids=()):
+        """`config` is the folder's config.json as written (nested or flat)."""
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.text_config = text_config(config)
+        self.model_type = architecture(config)
+        self.spec = ARCHITECTURES[self.model_type]
+        self.inner = model.model
+        self.layers = self.inner.layers
+        self.num_layers = len(self.layers)
+        self.hidden_size = int(self.text_config["hidden_size"])
+        self.vocab_size = int(self.text_config["vocab_size"])
+        self.set_taps(tap_ids)
+
+    def set_taps(self, tap_ids) -> None:
+        tap_ids = [int(t) for t in tap_ids]
+        for t in tap_ids:
+            if not 0 <= t < self.num_layers:
+                raise DFlashError(
+                    f"Tapped layer {t} does not exist in a target with {self.num_layers} layers."
+                )
+        self.tap_ids = tap_ids
+
+    def make_cache(self) -> list:
+        return [RecurrentCache() if _is_linear(layer) else KVCache() for layer in self.layers]
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.inner.embed_tokens(tokens)
+
+    def _untied_head(self):
+        """The model's own lm_head, or None when it is tied to the embeddings."""
+        owner = getattr(self.model, "language_model", self.model)
+        return getattr(owner, "lm_head", None)
+
+    def lm_head(self, h: mx.array) -> mx.array:
+        head = self._untied_head()
+        if head is not None:
+            return head(h)
+        return self.inner.embed_tokens.as_linear(h)
+
+    def lm_head_rows(self, ids: mx.array) -> mx.array:
+        """The LM head's rows for `ids` (len(ids), H), dequantized: logits over a sub-vocabulary."""
+        head = self._untied_head() or self.inner.embed_tokens
+        if not hasattr(head, "scales"):
+            return head.weight[ids]
+        biases = head.biases[ids] if getattr(head, "biases", None) is not None else None
+        return mx.dequantize(
+            head.weight[ids],
+            head.scales[ids],
+            biases,
+            group_size=head.group_size,
+            bits=head.bits,
+            mode=getattr(head, "mode", "affine"),
+        )
+
+    def forward(
+        self,
+        tokens: mx.array,
+        cache: list[KVCache],
+        start: int,
+        parents: np.ndarray | None = None,
+        logits: str = "all",
+        taps: bool = True,
+        rewindable: bool = True,
+    ) -> tuple[mx.array | None, mx.array | None]:
+        """Run T tokens after `start` cached positions.
+
+        parents=None: a causal block at positions start..start+T-1. Otherwise a tree: token i
+        sits at start + depth(i) and sees the prefix, itself and its ancestors.
+        Returns (logits (T or 1, V) per `logits` in {"all", "last", "none"}, taps (T, n*H)).
+        rewindable=False (prefill, plain decoding) lets recurrent layers skip the verify tape.
+        """
+        positions, np_parents = None, parents
+        if parents is not None:
+            positions = mx.array(start + tree_depths(parents), dtype=mx.int32)
+            parents = mx.array(parents, dtype=mx.int32)
+        h = self.embed(tokens[None])
+        masks: dict = {}  # the tree's ancestor mask, built by the first attention layer
+        tapped = []
+        tap_set = set(self.tap_ids) if taps else set()
+        for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
+            x = layer.input_layernorm(h)
+            if _is_linear(layer):
+                r = gdn_forward(layer.linear_attn, x, c, start, np_parents, rewindable)
+            else:
+                r = attention(layer.self_attn, self.spec, x, c, start, positions, parents, masks)
+            h = h + r
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if i in tap_set:
+                tapped.append(h[0])
+        out_taps = None
+        if tapped:
+            # Config order, not layer order.
+            order = {t: j for j, t in enumerate(sorted(tap_set))}
+            out_taps = mx.concatenate([tapped[order[t]] for t in self.tap_ids], axis=-1)
+        if logits == "none":
+            return None, out_taps
+        if logits == "last":
+            h = h[:, -1:]
+        return self.lm_head(self.inner.norm(h))[0], out_taps
+
+
+def _is_linear(layer) -> bool:
+    return bool(getattr(layer, "is_linear", False))
+
+
+def load_target(path: str | Path) -> Target:
+    """Load a target folder with mlx-lm (any published layout, quantized or not) and wrap it.
+
+    The architecture is checked from config.json before any weight is read, so an unsupported
+    model or a drafter passed as the target fails in one sentence.
+    """
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    path = Path(path)
+    if not path.is_dir():
+        raise DFlashError(f"Target model folder '{path}' does not exist.")
+    config = read_config(path, "target")
+    try:
+        architecture(config)
+    except DFlashError as e:
+        raise DFlashError(f"{path}: {e}") from None
+    try:
+        model, config = load_model(path, get_model_classes=model_classes)
+        tokenizer = load_tokenizer(path, eos_token_ids=text_eos(config))
+    except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
+        msg = " ".join(str(e).split())
+        if len(msg) > 300:
+            msg = msg[:300] + "..."
+        raise DFlashError(f"Could not load the target model from '{path}': {msg}") from None
+    return Target(model, tokenizer, config)
+
+
+def text_eos(config: dict):
+    """The end-of-sequence id(s): top level, else the wrapped language model's."""
+    eos = config.get("eos_token_id")
+    return eos if eos is not None else text_config(config).get("eos_token_id")

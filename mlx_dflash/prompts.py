@@ -1,0 +1,62 @@
+"""Messages to token ids: the one prompt renderer behind generate, chat, bench, train and serve.
+
+With a chat template the messages go through it (generation prompt appended). Without one, a
+model only continues text: the system message, then each message, each answer followed by a
+newline, so the tokens of earlier turns stay a prefix of later ones (the session cache reuses
+them). A BOS token is added where the tokenizer asks for one.
+"""
+
+from __future__ import annotations
+
+from .errors import DFlashError
+
+
+def has_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def use_template(tokenizer, chat_template: bool | None) -> bool:
+    """Whether to render through the chat template: `chat_template` None means when there is
+    one; True without one is a one-sentence error."""
+    if chat_template and not has_template(tokenizer):
+        raise DFlashError("This model has no chat template; drop --chat-template.")
+    return has_template(tokenizer) if chat_template is None else bool(chat_template)
+
+
+def render(
+    tokenizer, messages: list[dict[str, str]], system: str | None = None, templated: bool = True
+) -> list[int]:
+    """Token ids for `messages` (role/content dicts, the last one the user's), ready for the
+    answer."""
+    if templated:
+        msgs = ([{"role": "system", "content": system}] if system else []) + list(messages)
+        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict):
+            ids = ids["input_ids"]
+        return list(ids)
+    text = f"{system}\n\n" if system else ""
+    for m in messages:
+        text += m["content"] + ("\n" if m["role"] == "assistant" else "")
+    ids = list(tokenizer.encode(text))
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None and getattr(tokenizer, "add_bos_token", False) and ids[:1] != [bos]:
+        ids = [bos, *ids]
+    return ids
+
+
+def encode_prompt(
+    tokenizer, prompt: str, chat_template: bool | None = None, system: str | None = None
+) -> list[int]:
+    """One user prompt, through the chat template when the model has one (or as asked)."""
+    if not prompt.strip():
+        raise DFlashError("The prompt is empty.")
+    templated = use_template(tokenizer, chat_template)
+    return render(tokenizer, [{"role": "user", "content": prompt}], system, templated)
+
+
+def stop_ids(tokenizer) -> frozenset[int]:
+    """The tokens that end an answer: the tokenizer's end-of-sequence ids."""
+    ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

@@ -1,0 +1,58 @@
+"""Training checkpoints: a z-lab-layout drafter folder (what `convert` and the engine load)
+plus the optimizer state and step, each file written beside and renamed into place."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..models.drafter import DRAFT_VOCAB_FILE, DFlashDrafter, load_drafter, write_draft_vocab
+
+STATE_FILE = "trainer_state.json"
+OPT_FILE = "optimizer.npz"  # not *.safetensors: load_drafter reads those
+TAPS_FILE = "cache/taps.safetensors"  # in a subfolder: load_drafter reads OUT/*.safetensors
+
+
+def save_checkpoint(out: Path, drafter: DFlashDrafter, opt, step: int, meta: dict) -> None:
+    """z-lab layout (config.json + model.safetensors) plus the optimizer state to resume, and
+    the draft vocabulary when the drafter has one (see drafter.DRAFT_VOCAB_FILE)."""
+    out.mkdir(parents=True, exist_ok=True)
+    if drafter.draft_vocab is not None:
+        write_draft_vocab(out, drafter.draft_vocab)
+    elif (out / DRAFT_VOCAB_FILE).exists():
+        (out / DRAFT_VOCAB_FILE).unlink()
+    cfg = drafter.cfg.to_dict()
+    cfg["torch_dtype"] = "float32"
+    weights = dict(tree_flatten(drafter.parameters()))
+    atomic_write(
+        out / "model.safetensors",
+        lambda p: mx.save_safetensors(p, weights, metadata={"format": "pt"}),
+    )
+    if opt is not None:
+        state = dict(tree_flatten(opt.state))
+        atomic_write(out / OPT_FILE, lambda p: mx.savez(p, **state))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    (out / STATE_FILE).write_text(json.dumps({"step": step, **meta}, indent=2))
+
+
+def atomic_write(path: Path, write) -> None:
+    """Write beside, then rename: a crash never leaves a half-written checkpoint file."""
+    tmp = path.parent / ".partial" / path.name
+    tmp.parent.mkdir(exist_ok=True)
+    write(str(tmp))
+    tmp.replace(path)
+    tmp.parent.rmdir()
+
+
+def load_checkpoint(out: Path, num_target_layers: int):
+    """(drafter, optimizer state or None, step) from a folder `save_checkpoint` wrote."""
+    drafter = load_drafter(out, num_target_layers=num_target_layers)
+    state_file = out / STATE_FILE
+    step = json.loads(state_file.read_text())["step"] if state_file.exists() else 0
+    opt_state = None
+    if (out / OPT_FILE).exists():
+        opt_state = tree_unflatten(list(mx.load(str(out / OPT_FILE)).items()))
+    return drafter, opt_state, step

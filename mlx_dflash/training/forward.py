@@ -1,0 +1,180 @@
+"""The training forward (docs/training.md): many blocks per sequence in one batched attention.
+
+Every sequence carries blocks at random anchors inside the response; all of them run in one
+attention whose boolean mask gives each block the target's context strictly before its anchor,
+bidirectional attention inside itself and nothing of the other blocks. The forward reuses
+`DFlashDrafter`'s own submodules, so the trained weights are the inference weights. The loss is
+position-decayed cross-entropy (early slots matter most: a miss ends the round).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..models.drafter import DFlashDrafter, drafter_logits
+from ..models.drafter_config import DrafterConfig
+
+
+def target_taps(target, tokens: mx.array) -> mx.array:
+    """Taps (B, T, n_taps*H) of right-padded sequences: one causal pass, no gradient.
+
+    Right padding never reaches real positions under a causal mask, so no padding mask.
+    """
+    h = target.embed(tokens)
+    wanted = {t: None for t in target.tap_ids}
+    last = max(wanted)
+    for i, layer in enumerate(target.layers[: last + 1]):
+        h = layer(h, mask="causal", cache=None)
+        if i in wanted:
+            wanted[i] = h
+    return mx.stop_gradient(mx.concatenate([wanted[t] for t in target.tap_ids], axis=-1))
+
+
+def context_masks(cfg: DrafterConfig, anchors: mx.array, T: int) -> dict:
+    """Per layer kind: (context mask (B, 1, 1, m*bs, T), in-block mask (bs, bs) or None).
+
+    Context key p is visible to a block at anchor a iff p < a (its taps are known at
+    inference); inside a block attention is bidirectional, except for sliding/causal layers,
+    which get the restrictions `DFlashDrafter.block_mask` applies at inference.
+    """
+    B, m = anchors.shape
+    bs = cfg.block_size
+    q_pos = (anchors[..., None] + mx.arange(bs)).reshape(B, 1, 1, m * bs, 1)
+    q_anchor = mx.repeat(anchors, bs, axis=1).reshape(B, 1, 1, m * bs, 1)
+    ctx = mx.arange(T) < q_anchor
+    slot = mx.arange(bs)
+    masks = {}
+    for i in range(cfg.num_hidden_layers):
+        key = (cfg.layer_is_causal(i), cfg.layer_window(i))
+        if key in masks:
+            continue
+        causal, window = key
+        c, blk = ctx, None
+        if causal:
+            blk = slot[None, :] <= slot[:, None]
+        if window is not None:
+            c = c & (mx.arange(T) > q_pos - window)
+            near = slot[None, :] > slot[:, None] - window
+            blk = near if blk is None else blk & near
+        masks[key] = (c, blk)
+    return masks
+
+
+def _heads(x: mx.array, proj, norm, n: int) -> mx.array:
+    """(B, L, H) -> (B, n, L, d), with the per-head norm when given."""
+    B, L, _ = x.shape
+    y = proj(x).reshape(B, L, n, -1)
+    if norm is not None:
+        y = norm(y)
+    return y.transpose(0, 2, 1, 3)
+
+
+def _per_block(x: mx.array, m: int, bs: int) -> mx.array:
+    """(B, n, m*bs, d) -> (B*m, n, bs, d): one block per batch row."""
+    B, n, _, d = x.shape
+    return x.reshape(B, n, m, bs, d).transpose(0, 2, 1, 3, 4).reshape(B * m, n, bs, d)
+
+
+def block_attention(a, q, ck, cv, bk, bv, masks) -> mx.array:
+    """Blocks attend over [their visible context ; their own block] with one joint softmax.
+
+    q, bk, bv: (B*m, n, bs, d) per block; ck, cv: (B, n_kv, T, d). Scoring each block only
+    against itself (not against every other block) keeps the cost at m*bs*(T + bs).
+    Returns (B, m*bs, n_heads*d).
+    """
+    ctx_mask, blk_mask = masks
+    Bm, n, bs, d = q.shape
+    B, nkv, T, _ = ck.shape
+    m, rep = Bm // B, n // nkv
+    qc = q.reshape(B, m, nkv, rep, bs, d).transpose(0, 2, 3, 1, 4, 5)
+    qc = qc.reshape(B, nkv, rep, m * bs, d)
+    s_ctx = (qc * a.scale) @ ck[:, :, None].swapaxes(-1, -2)  # (B, nkv, rep, m*bs, T)
+    s_ctx = mx.where(ctx_mask, s_ctx, -mx.inf)
+    qb = q.reshape(Bm, nkv, rep, bs, d)
+    s_blk = (qb * a.scale) @ bk[:, :, None].swapaxes(-1, -2)  # (B*m, nkv, rep, bs, bs)
+    if blk_mask is not None:
+        s_blk = mx.where(blk_mask, s_blk, -mx.inf)
+    s_blk = s_blk.reshape(B, m, nkv, rep, bs, bs).transpose(0, 2, 3, 1, 4, 5)
+    s_blk = s_blk.reshape(B, nkv, rep, m * bs, bs)
+    p = mx.softmax(mx.concatenate([s_ctx, s_blk], axis=-1), axis=-1, precise=True)
+    out_ctx = p[..., :T] @ cv[:, :, None]  # (B, nkv, rep, m*bs, d)
+    pb = p[..., T:].reshape(B, nkv, rep, m, bs, bs).transpose(0, 3, 1, 2, 4, 5)
+    out_blk = pb.reshape(Bm, nkv, rep, bs, bs) @ bv[:, :, None]  # (B*m, nkv, rep, bs, d)
+    out_blk = out_blk.reshape(B, m, nkv, rep, bs, d).transpose(0, 2, 3, 1, 4, 5)
+    out = (out_ctx + out_blk.reshape(B, nkv, rep, m * bs, d)).reshape(B, n, m * bs, d)
+    return out.transpose(0, 2, 1, 3).reshape(B, m * bs, n * d)
+
+
+def drafter_blocks(
+    drafter: DFlashDrafter, target, taps: mx.array, tokens: mx.array, anchors: mx.array
+) -> mx.array:
+    """Hidden states (B, m, bs, H) of every block [tokens[a], MASK...] at its anchor a."""
+    cfg = drafter.cfg
+    B, T = tokens.shape
+    m, bs = anchors.shape[1], cfg.block_size
+    first = mx.take_along_axis(tokens, anchors, axis=1)  # (B, m)
+    block = mx.where(mx.arange(bs) == 0, first[..., None], cfg.mask_token_id)
+    h = target.embed(block).reshape(B, m * bs, -1)
+    if cfg.input_embedding_scale is not None:
+        h = h * cfg.input_embedding_scale
+    c = drafter.hidden_norm(drafter.fc(taps))
+    masks = context_masks(cfg, anchors, T)
+    offsets = anchors.reshape(-1)
+    for i, layer in enumerate(drafter.layers):
+        a = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = a.rope(_per_block(_heads(x, a.q_proj, a.q_norm, a.n_heads), m, bs), offset=offsets)
+        bk = a.rope(_per_block(_heads(x, a.k_proj, a.k_norm, a.n_kv_heads), m, bs), offset=offsets)
+        bv = _per_block(_heads(x, a.v_proj, None, a.n_kv_heads), m, bs)
+        ck = a.rope(_heads(c, a.k_proj, a.k_norm, a.n_kv_heads), offset=0)
+        cv = _heads(c, a.v_proj, None, a.n_kv_heads)
+        key = (cfg.layer_is_causal(i), cfg.layer_window(i))
+        h = h + a.o_proj(block_attention(a, q, ck, cv, bk, bv, masks[key]))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return drafter.norm(h).reshape(B, m, bs, -1)
+
+
+def slot_weights(bs: int, gamma: float) -> mx.array:
+    """exp(-(k-1)/gamma) for slots k = 1..bs-1: a miss early ends the round, so early counts."""
+    k = mx.arange(1, bs, dtype=mx.float32)
+    return mx.exp(-(k - 1) / gamma)
+
+
+def block_loss(drafter, target, batch: dict, gamma: float):
+    """Position-decayed cross-entropy over all blocks; also per-slot hits for the metrics.
+
+    With `batch["vocab"]` the softmax runs over that sub-vocabulary only (every label is in
+    it; `batch["lookup"]` maps token ids to its rows): a 49K-word LM head otherwise costs more
+    than the whole drafter on a CPU.
+    """
+    cfg = drafter.cfg
+    bs = cfg.block_size
+    tokens, anchors, lengths = batch["tokens"], batch["anchors"], batch["lengths"]
+    h = drafter_blocks(drafter, target, batch["taps"], tokens, anchors)
+    vocab = batch.get("vocab")
+    logits = drafter_logits(cfg, target, h[:, :, 1:], vocab).astype(mx.float32)
+    pos = anchors[..., None] + mx.arange(1, bs)  # (B, m, bs-1)
+    labels = mx.take_along_axis(
+        tokens, mx.minimum(pos, tokens.shape[1] - 1).reshape(pos.shape[0], -1), axis=1
+    ).reshape(pos.shape)
+    if vocab is not None:
+        labels = batch["lookup"][labels]
+    valid = (pos < lengths[:, None, None]).astype(mx.float32)
+    w = slot_weights(bs, gamma) * valid
+    ce = nn.losses.cross_entropy(logits, labels)
+    loss = (ce * w).sum() / mx.maximum(w.sum(), 1.0)
+    hits = (mx.argmax(logits, axis=-1) == labels).astype(mx.float32) * valid
+    return loss, (mx.stop_gradient(hits), valid)
+
+
+def metrics(loss, hits, valid, norm) -> dict:
+    """Loss, per-slot accuracy and the acceptance length the blocks would have had."""
+    acc = (hits.sum(axis=(0, 1)) / mx.maximum(valid.sum(axis=(0, 1)), 1.0)).tolist()
+    accepted = mx.cumprod(hits, axis=-1).sum(axis=-1) + 1.0  # tau of each block, bonus included
+    return {
+        "loss": loss.item(),
+        "acc": [round(a, 4) for a in acc],
+        "block_tau": accepted.mean().item(),
+        "grad_norm": norm.item(),
+    }
