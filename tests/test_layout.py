@@ -1,0 +1,111 @@
+"""The library facade and the package layout: the README's example runs, the public names
+import, modules form no import cycle, and commands never import each other."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx_dflash
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "mlx_dflash"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node, except under `if TYPE_CHECKING:` (annotations only, never imported)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            continue
+        yield node
+        yield from _runtime_nodes(node)
+
+
+def _is_module(dotted: str) -> bool:
+    path = ROOT / Path(*dotted.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def imports(path: Path) -> set[str]:
+    """The mlx_dflash modules `path` imports at run time, at any depth (a function-level import
+    closes a cycle as surely as a top-level one). `from pkg import submodule` counts as the
+    submodule only: a package is always imported before its submodules."""
+    tree = ast.parse(path.read_text())
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in _runtime_nodes(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod.startswith("mlx_dflash"):
+                subs = {f"{mod}.{a.name}" for a in node.names if _is_module(f"{mod}.{a.name}")}
+                found |= subs if len(subs) == len(node.names) else subs | {mod}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("mlx_dflash")}
+    return found - {name}
+
+
+def test_readme_library_example_runs(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"## Library.*?```python\n(.*?)```", readme, re.S)
+    assert block, "the README has no library example"
+    script = tmp_path / "example.py"
+    script.write_text(block.group(1))
+    assert len(block.group(1).strip().splitlines()) <= 14
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert "tau" in done.stdout and len(done.stdout) > 100
+
+
+def test_public_api():
+    for name in mlx_dflash.__all__:
+        assert hasattr(mlx_dflash, name), name
+    for name in ("load_pair", "Session", "GenerationConfig", "generate_rounds"):
+        assert name in mlx_dflash.__all__
+    assert {"stream_generate", "Stats", "Conversation", "encode_prompt"} <= set(mlx_dflash.__all__)
+
+
+def test_no_import_cycles():
+    graph = {module_name(p): imports(p) for p in PKG.rglob("*.py")}
+    state: dict[str, int] = {}
+
+    def visit(node, stack):
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in graph:
+                continue
+            if state.get(nxt) == 1:
+                raise AssertionError("import cycle: " + " -> ".join([*stack, node, nxt]))
+            if nxt not in state:
+                visit(nxt, [*stack, node])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+
+
+def test_commands_do_not_import_each_other_and_the_library_not_the_cli():
+    commands = {p.stem for p in (PKG / "cli").glob("*.py")} - {"__init__", "options"}
+    for p in PKG.rglob("*.py"):
+        used = imports(p)
+        if p.parent.name == "cli" and p.stem in commands:
+            others = {f"mlx_dflash.cli.{c}" for c in commands - {p.stem}}
+            assert not used & others, f"{p.name} imports another command: {used & others}"
+        elif p.parent.name != "cli":
+            assert not any(u.startswith("mlx_dflash.cli") for u in used), p
