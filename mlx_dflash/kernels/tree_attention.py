@@ -22,6 +22,7 @@ import numpy as np
 from ..errors import DFlashError
 from . import dispatch as metal_kernels
 from . import self_check
+from .cpu_attention import cpu_attention, use_cpu_attention
 from .dispatch import KernelFactory
 
 __all__ = [
@@ -149,6 +150,8 @@ def tree_attention_reference(
             masks[prefix] = mask
     k = k if k.dtype == q.dtype else k.astype(q.dtype)
     v = v if v.dtype == q.dtype else v.astype(q.dtype)
+    if use_cpu_attention():
+        return cpu_attention(q, k, v, float(scale), mask)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=float(scale), mask=mask)
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ..kernels.cpu_attention import cpu_attention, use_cpu_attention
 from ..kernels.tree_attention import tree_attention
 from .cache import KVCache
 
@@ -51,7 +52,10 @@ def attention(
     keys, values = cache.append(k, v)
     if parents is None:
         mask = "causal" if T > 1 else None
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=mask)
+        if use_cpu_attention():
+            out = cpu_attention(q, keys, values, attn.scale, mask)
+        else:
+            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=mask)
     else:
         out = tree_attention(q, keys, values, parents, attn.scale, masks)
     out = out.transpose(0, 2, 1, 3).reshape(1, T, -1)

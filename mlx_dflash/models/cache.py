@@ -39,6 +39,13 @@ class KVCache:
         self.offset = needed
         return self.keys[..., :needed, :], self.values[..., :needed, :]
 
+    def extend(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """All valid rows followed by these, without keeping them (the next append writes
+        over them): a drafter's block attends to them once, and nothing is concatenated."""
+        out = self.append(keys, values)
+        self.offset -= keys.shape[2]
+        return out
+
     def rewind_point(self, length: int) -> int:
         return length
 

@@ -51,13 +51,14 @@ class DrafterAttention(nn.Module):
         v = self.v_proj(x).reshape(1, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return self.rope(k, offset=offset), v
 
-    def __call__(self, x, ctx_keys, ctx_values, start: int, mask) -> mx.array:
+    def __call__(self, x, cache: KVCache, start: int, mask) -> mx.array:
+        """The block x (1, L, H) at positions start.. over the layer's cached context plus
+        itself. The block's K/V go into the cache's buffer after the context (no copy of the
+        context, which grows with the text) and are not kept: the next append overwrites them."""
         L = x.shape[1]
         q = self.q_norm(self.q_proj(x).reshape(1, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=start)
-        k, v = self.project_kv(x, start)
-        keys = mx.concatenate([ctx_keys, k], axis=2)
-        values = mx.concatenate([ctx_values, v], axis=2)
+        keys, values = cache.extend(*self.project_kv(x, start))
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, L, -1))
 
@@ -124,18 +125,10 @@ class DFlashDrafter(nn.Module):
         h = block_embeds[None]
         bs = h.shape[1]
         for i, (layer, lc) in enumerate(zip(self.layers, cache, strict=True)):
-            ctx_k = lc.keys[..., : lc.offset, :] if lc.keys is not None else _empty_kv(layer, h)
-            ctx_v = lc.values[..., : lc.offset, :] if lc.values is not None else _empty_kv(layer, h)
             mask = self.block_mask(i, start, lc.offset, bs)
-            h = h + layer.self_attn(layer.input_layernorm(h), ctx_k, ctx_v, start, mask)
+            h = h + layer.self_attn(layer.input_layernorm(h), lc, start, mask)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)[0]
-
-
-def _empty_kv(layer: DrafterLayer, h: mx.array) -> mx.array:
-    attn = layer.self_attn
-    d = attn.k_norm.weight.shape[0]
-    return mx.zeros((1, attn.n_kv_heads, 0, d), dtype=h.dtype)
 
 
 class DrafterRunner:
