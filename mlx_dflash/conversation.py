@@ -27,7 +27,7 @@ class Conversation:
         self.tokenizer = target.tokenizer
         self.templated = use_template(self.tokenizer, chat_template)
         self.cfg = cfg
-        self.session = Session(target, runner if cfg.mode != "ar" else None)
+        self.session = Session(target, runner if cfg.mode in ("dflash", "ddtree") else None)
         self.system = system or None
         self.messages: list[dict[str, str]] = []
         self.total = Stats()

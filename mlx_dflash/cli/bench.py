@@ -20,12 +20,14 @@ def bench_command(
     ),
     drafter: str = typer.Option(None, "--drafter", "-d", help="DFlash drafter folder or hub id."),
     methods: str = typer.Option(
-        DEFAULT_METHODS, "--methods", help="Comma list: mlx-lm, ar, dflash, ddtree:BUDGET|auto."
+        DEFAULT_METHODS,
+        "--methods",
+        help="Comma list: mlx-lm, ar, dflash, ddtree:BUDGET|auto, lookup[:auto], ddtree+lookup[:auto].",
     ),
     dataset: list[str] = typer.Option(
         ["gsm8k"],
         "--dataset",
-        help="humaneval | gsm8k | math500 | mbpp | mt-bench | FILE.jsonl (repeat or comma list).",
+        help="humaneval | gsm8k | math500 | mbpp | mt-bench | copy | FILE.jsonl (repeat or comma list).",
     ),
     data_dir: Path = typer.Option(
         None, "--data-dir", help="Folder with the bench files (default: ../shared/data/bench)."
@@ -41,6 +43,12 @@ def bench_command(
         None, "--chat-template/--no-chat-template", help="Default: on for models that have one."
     ),
     system: str = typer.Option(None, "--system", help="System message (chat template)."),
+    context: int = typer.Option(
+        None,
+        "--context",
+        min=1,
+        help="Long context: each prompt after earlier text of its set, about N tokens in all.",
+    ),
     out: Path = typer.Option(
         None, "--out", "-o", help="JSON results (default: bench-results/bench-<timestamp>.json)."
     ),
@@ -74,6 +82,7 @@ def bench_command(
             block_size=block_size,
             chat_template=chat_template,
             system=system,
+            context=context,
             progress=on_start,
         )
     png = None

@@ -149,11 +149,14 @@ def chat_command(
     mode: str = opts.MODE,
     block_size: int = opts.BLOCK_SIZE,
     budget: str = opts.BUDGET,
+    lookup: int = opts.LOOKUP,
     chat_template: bool = opts.CHAT_TEMPLATE,
     system: str = opts.SYSTEM,
 ) -> None:
     """Chat with a model in the terminal (/help for commands); scriptable through stdin."""
-    cfg = opts.generation_config(max_tokens, temp, top_p, top_k, seed, mode, block_size, budget)
+    cfg = opts.generation_config(
+        max_tokens, temp, top_p, top_k, seed, mode, block_size, budget, lookup
+    )
     target, runner = load_pair(model, drafter, mode)
     cfg = dataclasses.replace(cfg, stop_ids=stop_ids(target.tokenizer))
     chat = Conversation(target, runner, cfg, system, chat_template)

@@ -26,6 +26,7 @@ def generate_command(
     mode: str = opts.MODE,
     block_size: int = opts.BLOCK_SIZE,
     budget: str = opts.BUDGET,
+    lookup: int = opts.LOOKUP,
     chat_template: bool = opts.CHAT_TEMPLATE,
     system: str = opts.SYSTEM,
     as_json: bool = typer.Option(False, "--json", help="Print text and stats as one JSON object."),
@@ -34,11 +35,13 @@ def generate_command(
     """Generate text with DFlash / DDTree speculative decoding (or plain decoding: --mode ar)."""
     if prompt == "-":
         prompt = sys.stdin.read()
-    cfg = opts.generation_config(max_tokens, temp, top_p, top_k, seed, mode, block_size, budget)
+    cfg = opts.generation_config(
+        max_tokens, temp, top_p, top_k, seed, mode, block_size, budget, lookup
+    )
     target, runner = load_pair(model, drafter, mode)
     ids = encode_prompt(target.tokenizer, prompt, chat_template, system)
     cfg = dataclasses.replace(cfg, stop_ids=stop_ids(target.tokenizer))
-    session = Session(target, runner if mode != "ar" else None)
+    session = Session(target, runner if mode in ("dflash", "ddtree") else None)
     stats, text = Stats(), []
     for chunk in stream_generate(session, ids, cfg):
         stats.add(chunk.round)

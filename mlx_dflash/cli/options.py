@@ -17,17 +17,24 @@ TEMP = typer.Option(0.0, "--temp", min=0.0, help="0 = greedy.")
 TOP_P = typer.Option(1.0, "--top-p", min=0.0, max=1.0)
 TOP_K = typer.Option(0, "--top-k", min=0)
 SEED = typer.Option(None, "--seed")
-MODE = typer.Option("dflash", "--mode", help="dflash | ddtree | ar")
+MODE = typer.Option("dflash", "--mode", help="dflash | ddtree | lookup (no drafter) | ar")
 BLOCK_SIZE = typer.Option(None, "--block-size", help="At most the drafter's.")
 BUDGET = typer.Option("16", "--budget", help="DDTree node budget, or 'auto'.")
 CHAT_TEMPLATE = typer.Option(
     None, "--chat-template/--no-chat-template", help="Default: use it when the model has one."
 )
 SYSTEM = typer.Option(None, "--system", help="System message (chat template).")
+LOOKUP = typer.Option(
+    None,
+    "--lookup",
+    min=0,
+    help="Prompt lookup: up to N tokens copied from earlier text join the tree "
+    "(ddtree; default 0) or are the draft (--mode lookup; default 10).",
+)
 
 
 def generation_config(
-    max_tokens, temp, top_p, top_k, seed, mode, block_size, budget
+    max_tokens, temp, top_p, top_k, seed, mode, block_size, budget, lookup=None
 ) -> GenerationConfig:
     """The engine settings behind the shared flags, checked before any model is loaded (the
     stop tokens are the tokenizer's, set once it is)."""
@@ -38,4 +45,5 @@ def generation_config(
         mode=mode,
         block_size=block_size,
         budget=budget,
+        lookup=lookup or 0,
     )

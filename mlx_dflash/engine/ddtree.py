@@ -9,19 +9,26 @@ import mlx.core as mx
 import numpy as np
 
 from .budget import AUTO_MAX_BUDGET, Pacer, VerifyProfile, choose_budget, profile_key
+from .lookup import LookupStats, PromptLookup
 from .rounds import plain_round
 from .session import Round
-from .tree import Tree, build_tree, expected_tokens, top_candidates, walk
+from .tree import Tree, build_tree, expected_tokens, graft, root_only, top_candidates, walk
 
 
 class DDTree:
-    """Round logic for `--mode ddtree`; holds the auto-budget profile between rounds."""
+    """Round logic for `--mode ddtree` and `--mode lookup`: the drafter's tree and/or prompt
+    lookup branches (lookup.py), one verify; holds the auto-budget state between rounds."""
 
     def __init__(self, session, cfg):
         self.session = session
         self.sampling = cfg.sampling
         self.budget = cfg.budget
         self.branching = getattr(cfg, "branching", None)
+        # --mode lookup drafts from the text alone, even when a drafter is loaded.
+        self.drafter = session.drafter if cfg.mode == "ddtree" else None
+        self.lookup_len = cfg.lookup
+        self.lookup = PromptLookup() if cfg.lookup > 0 else None
+        self.lookup_stats = LookupStats()
         self.profile = self.pacer = None
         if self.budget == "auto":
             self.profile = VerifyProfile.load_or_measure(
@@ -44,42 +51,87 @@ class DDTree:
             return 1.0
         return float(np.clip(self.realised / self.expected, 0.1, 2.0))
 
-    def round(self, last: int, n: int, rng) -> Round:
-        session, target, drafter = self.session, self.session.target, self.session.drafter
-        if self.pacer is not None and not self.pacer.draft_now():
-            rnd = plain_round(session, last, self.sampling, rng, feed_drafter=True)
+    def _plain(self, last: int, rng) -> Round:
+        rnd = plain_round(
+            self.session, last, self.sampling, rng, feed_drafter=self.drafter is not None
+        )
+        if self.pacer is not None:
             self.pacer.record_plain(rnd.t_verify + rnd.t_other)
-            return rnd
-        start = len(session.tokens)
-        t0 = time.perf_counter()
+        return rnd
+
+    def _drafter_tree(self, last: int, start: int, n: int) -> Tree:
         max_b = AUTO_MAX_BUDGET if self.budget == "auto" else self.budget
         # A tree of max_b nodes is at most max_b deep: deeper slots' logits would go unused,
         # and the LM head over them is most of the drafter's time on a CPU.
-        logits_q = drafter.propose(last, start, min(n, max_b))
+        logits_q = self.drafter.propose(last, start, min(n, max_b))
         k = min(self.branching or max_b, max_b)
         cand_tok, cand_lp = top_candidates(logits_q, k)
         tree = build_tree(last, cand_tok, cand_lp, max_b)
-        if self.profile is not None:
-            b = choose_budget(tree, self.profile, self.t_fixed, self.calibration)
-            tree = Tree(
-                tree.tokens[: b + 1],
-                tree.parents[: b + 1],
-                tree.depths[: b + 1],
-                tree.log_probs[: b + 1],
+        if self.profile is None:
+            return tree
+        b = choose_budget(tree, self.profile, self.t_fixed, self.calibration)
+        return Tree(
+            tree.tokens[: b + 1],
+            tree.parents[: b + 1],
+            tree.depths[: b + 1],
+            tree.log_probs[: b + 1],
+        )
+
+    def _lookup_chains(self, tree: Tree, last: int, room: int) -> list[list[int]]:
+        """Lookup branches for this round; under --budget auto, cut to the length that
+        maximises expected tokens per second at the measured lookup acceptance."""
+        self.lookup.sync([*self.session.tokens, last])
+        chains = self.lookup.branches(min(self.lookup_len, room))
+        if not chains or self.profile is None:
+            return chains
+        base = 1.0
+        if self.drafter is not None:
+            base += self.calibration * (expected_tokens(tree)[-1] - 1.0)
+        best, best_rate = 0, base / (self.t_fixed + self.profile.cost(len(tree.tokens)))
+        for length in range(1, max(len(c) for c in chains) + 1):
+            size = len(graft(tree, [c[:length] for c in chains]).tokens)
+            rate = (base + self.lookup_stats.expected(length)) / (
+                self.t_fixed + self.profile.cost(size)
             )
+            if rate > best_rate:
+                best, best_rate = length, rate
+        return [c[:best] for c in chains] if best else []
+
+    def round(self, last: int, n: int, rng, room: int | None = None) -> Round:
+        """One round after `last`: the drafter drafts at most `n` deep, lookup branches at most
+        `room` (the tokens max_tokens still allows after the bonus; default n)."""
+        session, target, drafter = self.session, self.session.target, self.drafter
+        room = n if room is None else room
+        if self.pacer is not None and not self.pacer.draft_now():
+            return self._plain(last, rng)
+        start = len(session.tokens)
+        t0 = time.perf_counter()
+        tree = self._drafter_tree(last, start, n) if drafter is not None else root_only(last)
+        n_drafted = len(tree.tokens)
+        chains = self._lookup_chains(tree, last, room) if self.lookup is not None else []
+        tree = graft(tree, chains)
+        if len(tree.tokens) == 1:  # nothing to verify: a plain step
+            return self._plain(last, rng)
         self.budgets.append(len(tree.tokens) - 1)
         t1 = time.perf_counter()
         logits, taps = target.forward(
-            mx.array(tree.tokens.astype(np.int32)), session.cache, start, parents=tree.parents
+            mx.array(tree.tokens.astype(np.int32)),
+            session.cache,
+            start,
+            parents=tree.parents,
+            taps=drafter is not None,
         )
-        mx.eval(logits, taps)
+        mx.eval(logits, taps) if taps is not None else mx.eval(logits)
         t2 = time.perf_counter()
         path, bonus = walk(tree, logits, self.sampling, rng)
         for c in session.cache:
             c.compact(start, path)
         session.tokens.extend(int(tree.tokens[i]) for i in path)
-        drafter.add_context(taps[mx.array(path)])
+        if drafter is not None:
+            drafter.add_context(taps[mx.array(path)])
         out = [int(tree.tokens[i]) for i in path[1:]] + [bonus]
+        for chain in chains:
+            self.lookup_stats.record(chain, out)
         t3 = time.perf_counter()
         self.t_fixed = (
             0.8 * self.t_fixed + 0.2 * ((t1 - t0) + (t3 - t2))
@@ -87,8 +139,10 @@ class DDTree:
             else (t1 - t0) + (t3 - t2)
         )
         if self.pacer is not None:
-            self.expected = 0.9 * self.expected + 0.1 * (expected_tokens(tree)[-1] - 1.0)
-            self.realised = 0.9 * self.realised + 0.1 * (len(path) - 1)
+            if drafter is not None:
+                predicted = expected_tokens(tree)[n_drafted - 1] - 1.0
+                self.expected = 0.9 * self.expected + 0.1 * predicted
+                self.realised = 0.9 * self.realised + 0.1 * sum(i < n_drafted for i in path[1:])
             self.tree_rounds += 1
             self.pacer.record_tree(len(out), t3 - t0)
         return Round(

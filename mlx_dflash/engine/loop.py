@@ -25,7 +25,7 @@ def generate_rounds(session: Session, prompt: list[int], cfg: GenerationConfig) 
     """Yield one Round per decoding step; the tokens across rounds are the output."""
     if not prompt:
         raise DFlashError("The prompt is empty.")
-    if cfg.mode != "ar" and session.drafter is None:
+    if cfg.mode in ("dflash", "ddtree") and session.drafter is None:
         raise DFlashError(f"Mode '{cfg.mode}' needs a drafter.")
     bs = _block_size(session, cfg)
     rng = np.random.default_rng(cfg.seed)
@@ -47,14 +47,14 @@ def generate_rounds(session: Session, prompt: list[int], cfg: GenerationConfig) 
     yield first
     if first.finished:
         return
-    tree = DDTree(session, cfg) if cfg.mode == "ddtree" else None
+    tree = DDTree(session, cfg) if cfg.mode in ("ddtree", "lookup") else None
     while True:
-        remaining = cfg.max_tokens - emitted
-        n = min(bs - 1, remaining - 1)  # never verify past max_tokens
-        if cfg.mode == "ar" or n == 0:
+        room = cfg.max_tokens - emitted - 1  # drafts allowed: never verify past max_tokens
+        n = min(bs - 1, room)
+        if cfg.mode == "ar" or room == 0:
             rnd = plain_round(session, last, cfg.sampling, rng)
         elif tree is not None:
-            rnd = tree.round(last, n, rng)
+            rnd = tree.round(last, n, rng, room)
         else:
             rnd = dflash_round(session, last, n, cfg.sampling, rng)
         for i, t in enumerate(rnd.tokens):
@@ -72,7 +72,7 @@ def generate_rounds(session: Session, prompt: list[int], cfg: GenerationConfig) 
 
 
 def _block_size(session: Session, cfg: GenerationConfig) -> int:
-    if session.drafter is None or cfg.mode == "ar":
+    if session.drafter is None or cfg.mode in ("ar", "lookup"):
         return 1
     native = session.drafter.block_size
     bs = cfg.block_size or native

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from ..errors import DFlashError
 from .sampling import SamplingParams
 
-MODES = ("dflash", "ddtree", "ar")
+MODES = ("dflash", "ddtree", "lookup", "ar")
+DEFAULT_LOOKUP = 10  # tokens per prompt-lookup branch, when --mode lookup is not told
 
 
 def parse_budget(budget: int | str) -> int | str:
@@ -38,6 +39,7 @@ class GenerationConfig:
     block_size: int | None = None  # None: the drafter's
     budget: int | str = 16  # DDTree node budget, or "auto"
     branching: int | None = None  # DDTree: max children per node (None: the budget; 1: a chain)
+    lookup: int = 0  # prompt lookup: tokens per branch joining the tree (0: none)
     prefill_chunk: int = 512
     stop_ids: frozenset[int] = frozenset()
 
@@ -45,6 +47,14 @@ class GenerationConfig:
         if self.mode not in MODES:
             raise DFlashError(f"Unknown mode '{self.mode}' (choose from {', '.join(MODES)}).")
         self.budget = parse_budget(self.budget)
+        if not isinstance(self.lookup, int) or self.lookup < 0:
+            raise DFlashError(f"--lookup must be a number of tokens >= 0, not {self.lookup}.")
+        if self.lookup and self.mode not in ("ddtree", "lookup"):
+            raise DFlashError(
+                "Prompt lookup (--lookup) joins DDTree trees: use --mode ddtree or lookup."
+            )
+        if self.mode == "lookup" and not self.lookup:
+            self.lookup = DEFAULT_LOOKUP
 
 
 @dataclass

@@ -35,6 +35,40 @@ class Tree:
         return kids
 
 
+def graft(tree: Tree, chains: list[list[int]], log_prob: float = 0.0) -> Tree:
+    """`tree` plus token chains from its root; where a chain follows existing nodes it shares
+    them, new nodes go after all others (so parents still come first). New nodes get path
+    log-probability `log_prob` per token (they are not the drafter's)."""
+    kids = tree.children()
+    tokens, parents = list(tree.tokens), list(tree.parents)
+    depths, lps = list(tree.depths), list(tree.log_probs)
+    for chain in chains:
+        node = 0
+        for tok in chain:
+            nxt = kids[node].get(int(tok))
+            if nxt is None:
+                nxt = len(tokens)
+                tokens.append(int(tok))
+                parents.append(node)
+                depths.append(depths[node] + 1)
+                lps.append(lps[node] + log_prob)
+                kids[node][int(tok)] = nxt
+                kids.append({})
+            node = nxt
+    return Tree(
+        np.array(tokens, dtype=np.int64),
+        np.array(parents, dtype=np.int64),
+        np.array(depths, dtype=np.int64),
+        np.array(lps, dtype=np.float64),
+    )
+
+
+def root_only(root: int) -> Tree:
+    """A tree of just the last decided token (lookup branches are grafted onto it)."""
+    z = np.zeros(1, dtype=np.int64)
+    return Tree(np.array([root], dtype=np.int64), np.array([-1]), z, np.zeros(1))
+
+
 def top_candidates(
     logits: mx.array, k: int, on_host: bool | None = None
 ) -> tuple[np.ndarray, np.ndarray]:

@@ -13,14 +13,14 @@ def load_pair(
     model: str | None = None, drafter: str | None = None, mode: str = "dflash"
 ) -> tuple[Target, DrafterRunner | None]:
     """Target and drafter from folders or hub ids (the embedded default pair when neither is
-    given); a known target finds its published drafter without `drafter`. `mode` "ar" with no
-    drafter named loads the target alone."""
+    given); a known target finds its published drafter without `drafter`. Modes that need no
+    drafter ("ar", "lookup") load the target alone unless a drafter is named."""
     if model is None:
         model = str(DEFAULT_TARGET)
         drafter = drafter or str(DEFAULT_DRAFTER)
     target_path = resolve_model(model, "target")
     target = load_target(target_path)
-    if mode == "ar" and drafter is None:
+    if mode in ("ar", "lookup") and drafter is None:
         return target, None
     if drafter is None:
         drafter = find_drafter(model)

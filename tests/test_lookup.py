@@ -1,0 +1,155 @@
+"""Prompt lookup: n-gram branches from earlier text, alone (`--mode lookup`, no drafter) or
+joined to the drafter's DDTree; output stays exactly the target's (greedy: token for token
+against mlx-lm; sampling: chi-square against the exact distribution)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from factories import HYBRID_TYPES, TARGET_TYPES, load_module, tiny_target_config
+from oracle import OracleDrafter, diversify
+from test_engine import mlx_lm_greedy, run
+from test_sampling import V, chi2_pvalue, exact_marginals
+
+from mlx_dflash.engine import GenerationConfig, Session
+from mlx_dflash.engine import lookup as lookup_mod
+from mlx_dflash.engine.lookup import LookupStats, PromptLookup
+from mlx_dflash.engine.sampling import SamplingParams
+from mlx_dflash.engine.tree import build_tree, graft, root_only
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.models.target import Target
+
+# A prompt that repeats itself, as code edits and quotes do.
+PHRASE = [11, 23, 35, 47, 59, 61, 73, 85, 97, 19]
+PROMPT = PHRASE + [5, 6] + PHRASE + [7, 8] + PHRASE[:4]
+N = 48
+
+
+def test_branches_follow_the_longest_earlier_suffix():
+    look = PromptLookup()
+    look.sync([1, 2, 3, 4, 9, 2, 3, 5, 1, 2, 3])
+    # suffix (1, 2, 3) occurred once, followed by 4 9 2 ...; (2, 3) twice more: longest wins
+    assert look.branches(3) == [[4, 9, 2]]
+    look.sync([1, 2, 3, 4, 9, 2, 3, 5, 1, 2, 3, 7, 2, 3])
+    # (3, 7, 2, 3)... no 3/4-gram match; the bigram (2, 3): newest first, distinct, then older
+    assert look.branches(2) == [[7, 2], [5, 1], [4, 9]]
+    assert look.branches(2, max_branches=1) == [[7, 2]]
+    assert look.branches(0) == []
+    look.sync([5, 6])  # not an extension: starts over
+    assert look.branches(4) == []
+
+
+def test_sync_is_incremental():
+    seq = list(np.random.default_rng(0).integers(0, 6, 200))
+    a, b = PromptLookup(), PromptLookup()
+    a.sync(seq)
+    for i in range(1, len(seq) + 1, 7):
+        b.sync(seq[:i])
+    b.sync(seq)
+    assert dict(a.index) == dict(b.index)
+
+
+def test_graft_shares_prefixes_and_keeps_parents_first():
+    tree = build_tree(
+        7, np.array([[3, 4], [5, 6]]), np.log(np.array([[0.6, 0.4], [0.7, 0.3]])), budget=4
+    )
+    grafted = graft(tree, [[3, 5, 9], [8]])
+    kids = grafted.children()
+    assert len(grafted.tokens) == len(tree.tokens) + 2  # 9 under (3, 5), and 8 under the root
+    assert np.all(grafted.parents[1:] < np.arange(1, len(grafted.tokens)))
+    node = 0
+    for tok in (3, 5, 9):
+        node = kids[node][tok]
+    assert grafted.depths[node] == 3
+    assert kids[0][8] == len(grafted.tokens) - 1
+    assert len(graft(root_only(7), [[1, 2], [1, 3]]).tokens) == 4
+
+
+def test_lookup_stats_rate():
+    s = LookupStats()
+    for _ in range(50):
+        s.record([1, 2, 3, 4], [1, 2, 3, 9])  # 3 of 4 accepted, then a miss
+    assert 0.7 < s.rate < 0.8 and s.expected(2) > s.expected(1)
+
+
+@pytest.fixture(scope="module", params=TARGET_TYPES + HYBRID_TYPES)
+def target(request):
+    cfg = tiny_target_config(request.param)
+    mod = load_module(request.param)
+    model = mod.Model(mod.ModelArgs.from_dict(cfg))
+    diversify(model, gain=2.0)
+    return Target(model, None, cfg)
+
+
+@pytest.mark.parametrize("model_type", TARGET_TYPES + HYBRID_TYPES)
+def test_lookup_mode_is_exact_and_accepts(model_type):
+    """Random models of three weight scales: the more repetitive ones (a text that repeats
+    itself) get lookup branches accepted, every one stays exact."""
+    accepted = 0
+    for gain in (2.0, 1.0, 0.5):
+        cfg = tiny_target_config(model_type)
+        mod = load_module(model_type)
+        model = mod.Model(mod.ModelArgs.from_dict(cfg))
+        diversify(model, gain=gain)
+        target = Target(model, None, cfg)
+        ref = mlx_lm_greedy(target, PROMPT, N)
+        for budget, look in ((16, 6), ("auto", 0)):
+            kw = dict(max_tokens=N, mode="lookup", budget=budget, lookup=look)
+            out, taus = run(Session(target), PROMPT, **kw)
+            assert out == ref, (gain, budget)
+            accepted += sum(t - 1 for t in taus)
+    assert accepted > 0, "no lookup branch was ever accepted"
+
+
+@pytest.mark.parametrize("budget", [4, "auto"])
+def test_ddtree_with_lookup_is_exact(target, budget):
+    ref = mlx_lm_greedy(target, PROMPT, N)
+    target.set_taps([1, 3])
+    oracle = OracleDrafter(PROMPT + ref, target.vocab_size, block_size=8, corrupt=0.3, seed=4)
+    kw = dict(max_tokens=N, mode="ddtree", budget=budget, lookup=8)
+    out, taus = run(Session(target, oracle), PROMPT, **kw)
+    assert out == ref and np.mean(taus) > 1.3 and max(taus) > 2
+
+
+def test_lookup_never_verifies_past_max_tokens(target):
+    ref = mlx_lm_greedy(target, PROMPT, N)
+    for n in (1, 2, 3, 5, 9):
+        out, _ = run(Session(target), PROMPT, max_tokens=n, mode="lookup", lookup=16)
+        assert out == ref[:n]
+
+
+def test_lookup_needs_a_tree_mode():
+    with pytest.raises(DFlashError, match="--lookup"):
+        GenerationConfig(mode="dflash", lookup=4)
+    with pytest.raises(DFlashError, match="--lookup"):
+        GenerationConfig(mode="lookup", lookup=-1)
+    assert GenerationConfig(mode="lookup").lookup > 0
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(1.0), SamplingParams(0.8, 0.9, 6)])
+def test_lookup_sampling_matches_target(monkeypatch, sampling):
+    """Every token of the vocabulary has earlier continuations (unigram lookup), so each round
+    verifies lookup branches; the emitted tokens must still follow the target exactly."""
+    monkeypatch.setattr(lookup_mod, "MIN_NGRAM", 1)
+    cfg = tiny_target_config("llama", vocab_size=V, num_hidden_layers=2)
+    mod = load_module("llama")
+    model = mod.Model(mod.ModelArgs.from_dict(cfg))
+    diversify(model, gain=1.0, seed=3)
+    target = Target(model, None, cfg)
+    rng = np.random.default_rng(7)
+    prompt = [int(t) for t in itertools.chain(rng.permutation(V), rng.permutation(V))]
+    depth, samples, taus = 3, [], []
+    for seed in range(1500):
+        gen = GenerationConfig(max_tokens=depth, sampling=sampling, seed=seed, mode="lookup")
+        out, t = run(Session(target), prompt, **vars(gen))
+        samples.append(out)
+        taus += t
+    samples = np.array(samples)
+    assert 1.0 < np.mean(taus), "lookup branches were never accepted"
+    import test_sampling
+
+    monkeypatch.setattr(test_sampling, "PROMPT", prompt)
+    for k, expected in enumerate(exact_marginals(target, sampling, depth)):
+        assert chi2_pvalue(samples[:, k], expected) > 1e-3, f"token {k + 1} is biased"
