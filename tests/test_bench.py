@@ -16,9 +16,10 @@ from mlx_dflash.benchmark.datasets import DATASETS, load_prompts
 from mlx_dflash.benchmark.report import check_identical
 from mlx_dflash.benchmark.runner import Method, parse_methods
 from mlx_dflash.cli import app
+from mlx_dflash.engine.session import DEFAULT_LOOKUP
 from mlx_dflash.errors import DFlashError
 
-METHODS = "mlx-lm,ar,dflash,ddtree:4,ddtree:auto"
+METHODS = "mlx-lm,ar,dflash,ddtree:4,ddtree:auto,lookup,ddtree+lookup:auto"
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +71,7 @@ def test_bench_writes_json_and_plot(pair, data_dir, tmp_path):
         assert row["prompts"] == 2 and row["generated_tokens"] <= 20
         assert row["generation_tps"] > 0 and row["speedup"] > 0 and row["mean_tau"] >= 1
         assert sum(row["tau_histogram"].values()) == row["rounds"]
+        assert row["peak_memory_mb"] > 0
         if row["method"] in ("dflash", "ddtree:4"):
             assert row["time_draft_s"] > 0 and row["time_verify_s"] > 0
             # Fixed budgets draft every round but, at most, the one making the last token.
@@ -113,17 +115,27 @@ def test_check_identical():
 
 
 def test_parse_methods():
-    assert parse_methods("mlx-lm, ar,dflash,ddtree,ddtree:4,ddtree:auto") == [
+    spec = "mlx-lm, ar,dflash,ddtree,ddtree:4,ddtree:auto,lookup,lookup:auto,ddtree+lookup:8"
+    assert parse_methods(spec) == [
         Method("mlx-lm", "mlx-lm"),
         Method("ar", "ar"),
         Method("dflash", "dflash"),
         Method("ddtree", "ddtree", 16),
         Method("ddtree:4", "ddtree", 4),
         Method("ddtree:auto", "ddtree", "auto"),
+        Method("lookup", "lookup", 16, DEFAULT_LOOKUP),
+        Method("lookup:auto", "lookup", "auto", DEFAULT_LOOKUP),
+        Method("ddtree+lookup:8", "ddtree", 8, DEFAULT_LOOKUP),
     ]
-    for bad in ("eagle", "dflash:3", "ddtree:0", "ddtree:x", "ar,ar", ""):
+    for bad in ("eagle", "dflash:3", "ddtree:0", "ddtree:x", "ar,ar", "", "lookup:0"):
         with pytest.raises(DFlashError):
             parse_methods(bad)
+
+
+def test_packaged_copy_set():
+    prompts = load_prompts("copy")
+    assert len(prompts) == 12 and all("\n" in p for p in prompts)
+    assert load_prompts("copy", limit=3) == prompts[:3]
 
 
 @pytest.mark.parametrize("name", list(DATASETS))
@@ -148,3 +160,15 @@ def test_own_jsonl_and_errors(tmp_path, monkeypatch):
     monkeypatch.setattr("huggingface_hub.hf_hub_download", offline)
     with pytest.raises(DFlashError, match="could not be fetched from the Hugging Face hub"):
         load_prompts("math500")
+
+
+def test_long_context_prompts(pair, data_dir, tmp_path):
+    """--context N: each prompt follows earlier text of its set, about N tokens in all."""
+    out = tmp_path / "ctx.json"
+    args = bench_args(pair, out) + ["--methods", "mlx-lm,dflash", "--data-dir", str(data_dir)]
+    r = CliRunner().invoke(app, [*args, "--dataset", "gsm8k", "--context", "300"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(out.read_text())
+    assert res["settings"]["context"] == 300 and res["identical"]["identical"]
+    for row in res["results"]:
+        assert 2 * 280 <= row["prompt_tokens"] <= 2 * 330  # two prompts of ~300 tokens

@@ -49,9 +49,19 @@ def _hub_file(name: str) -> Path:
         ) from e
 
 
+# Sets written for this project, shipped in the package.
+PACKAGED: dict[str, Path] = {
+    # Code edits, quotes, corrections, conversions and chat turns that repeat earlier text:
+    # where prompt lookup (--mode lookup, ddtree+lookup) should pay.
+    "copy": Path(__file__).parent / "data" / "copy_heavy.jsonl",
+}
+
+
 def load_prompts(dataset: str, data_dir: str | Path | None = None, limit: int | None = None):
     """The prompts of a named set (from `data_dir`, else the hub) or of a .jsonl/.json file."""
-    if dataset in DATASETS:
+    if dataset in PACKAGED:
+        path, field = PACKAGED[dataset], "prompt"
+    elif dataset in DATASETS:
         filename, field = DATASETS[dataset]
         folder = Path(data_dir) if data_dir is not None else default_data_dir()
         if folder is not None:
@@ -63,7 +73,7 @@ def load_prompts(dataset: str, data_dir: str | Path | None = None, limit: int | 
     else:
         path, field = Path(dataset).expanduser(), None
         if not path.is_file():
-            names = ", ".join(DATASETS)
+            names = ", ".join([*DATASETS, *PACKAGED])
             raise DFlashError(f"Unknown dataset '{dataset}': use one of {names} or a .jsonl file.")
     prompts = read_prompt_file(path, field)
     if not prompts:

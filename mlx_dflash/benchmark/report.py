@@ -34,6 +34,7 @@ def summarize(runs: list[Run]) -> dict[str, Any]:
         **split,
         "rounds": len(taus),
         "draft_rounds": sum(r.draft_rounds for r in runs),
+        "peak_memory_mb": max((r.peak_memory for r in runs), default=0) / 2**20,
         "mean_tau": sum(taus) / len(taus) if taus else 0.0,
         "mean_tau_per_response": sum(per_response) / len(per_response) if per_response else 0.0,
         "tau_histogram": {str(k): v for k, v in sorted(Counter(taus).items())},
@@ -157,6 +158,7 @@ def print_report(results: dict[str, Any], console) -> None:
         left = col in ("dataset", "method", "tau histogram")
         table.add_column(col, justify="left" if left else "right", no_wrap=col != "tau histogram")
     table.add_column("prompt tok/s", justify="right")
+    table.add_column("peak MB", justify="right")
     for r in results["results"]:
         dec = r["time_decode_s"]
         split = "/".join(_pct(r[f"time_{p}_s"], dec) for p in ("draft", "verify", "other"))
@@ -170,6 +172,7 @@ def print_report(results: dict[str, Any], console) -> None:
             hist if len(hist) <= 40 else hist[:37] + "...",
             split,
             f"{r['prompt_tps']:.0f}",
+            f"{r.get('peak_memory_mb', 0):.0f}",
         )
     console.print(table)
     ident = results["identical"]

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine import GenerationConfig, SamplingParams, Session, Stats, generate_rounds, parse_budget
+from ..engine.session import DEFAULT_LOOKUP
 from ..errors import DFlashError
 from ..models.pair import load_pair
 from ..prompts import encode_prompt, stop_ids
@@ -26,12 +27,14 @@ WARMUP_TOKENS = 8
 @dataclass(frozen=True)
 class Method:
     label: str  # as the user wrote it: "ddtree:16"
-    mode: str  # "mlx-lm" | "ar" | "dflash" | "ddtree"
+    mode: str  # "mlx-lm" | "ar" | "dflash" | "ddtree" | "lookup"
     budget: int | str = 16
+    lookup: int = 0  # prompt-lookup tokens per branch (ddtree+lookup, lookup)
 
 
 def parse_methods(spec: str | list[str]) -> list[Method]:
-    """`mlx-lm,ar,dflash,ddtree:4,ddtree:auto` -> Methods (ddtree alone means budget 16)."""
+    """`mlx-lm,ar,dflash,ddtree:4,ddtree:auto,lookup,ddtree+lookup:auto` -> Methods (ddtree
+    alone means budget 16; lookup takes a budget too: auto sizes its branches)."""
     items = spec.split(",") if isinstance(spec, str) else [s for x in spec for s in x.split(",")]
     out: list[Method] = []
     for item in (s.strip() for s in items):
@@ -40,11 +43,14 @@ def parse_methods(spec: str | list[str]) -> list[Method]:
         mode, _, arg = item.partition(":")
         if mode in ("mlx-lm", "ar", "dflash") and not arg:
             out.append(Method(item, mode))
-        elif mode == "ddtree":
-            out.append(Method(item, mode, parse_budget(arg or "16")))
+        elif mode in ("ddtree", "ddtree+lookup", "lookup"):
+            look = DEFAULT_LOOKUP if "lookup" in mode else 0
+            base = "lookup" if mode == "lookup" else "ddtree"
+            out.append(Method(item, base, parse_budget(arg or "16"), look))
         else:
             raise DFlashError(
-                f"Unknown method '{item}' (use mlx-lm, ar, dflash, ddtree or ddtree:BUDGET)."
+                f"Unknown method '{item}' (use mlx-lm, ar, dflash, ddtree[:BUDGET], "
+                "lookup[:BUDGET] or ddtree+lookup[:BUDGET])."
             )
     if not out:
         raise DFlashError("--methods names no method.")
@@ -66,11 +72,12 @@ class Run:
     t_verify: float | None = None
     t_other: float | None = None
     draft_rounds: int = 0
+    peak_memory: int = 0  # bytes MLX held at most during the run (weights included)
 
 
 def run_engine(target, runner, ids: list[int], cfg: GenerationConfig) -> Run:
     """Our engine (ar, dflash or ddtree) on one prompt, from an empty cache."""
-    session = Session(target, runner if cfg.mode != "ar" else None)
+    session = Session(target, runner if cfg.mode in ("dflash", "ddtree") else None)
     stats, tokens = Stats(), []
     for rnd in generate_rounds(session, ids, cfg):
         stats.add(rnd)
@@ -117,10 +124,31 @@ def run_mlx_lm(target, ids: list[int], cfg: GenerationConfig) -> Run:
 
 
 def run_method(method: Method, target, runner, ids: list[int], cfg: GenerationConfig) -> Run:
+    import mlx.core as mx
+
+    mx.reset_peak_memory()
     if method.mode == "mlx-lm":
-        return run_mlx_lm(target, ids, cfg)
-    cfg = GenerationConfig(**{**vars(cfg), "mode": method.mode, "budget": method.budget})
-    return run_engine(target, runner, ids, cfg)
+        run = run_mlx_lm(target, ids, cfg)
+    else:
+        changes = {"mode": method.mode, "budget": method.budget, "lookup": method.lookup}
+        run = run_engine(target, runner, ids, GenerationConfig(**{**vars(cfg), **changes}))
+    run.peak_memory = mx.get_peak_memory()
+    return run
+
+
+def with_context(tokenizer, prompts: list[str], context: int) -> list[str]:
+    """Each prompt after enough earlier text of its set (the others, cycled) to make about
+    `context` tokens: long-context speed on the same questions."""
+    pool = "\n\n".join(prompts)
+    ids = list(tokenizer.encode(pool))
+    if not ids:
+        return prompts
+    ids = ids * (context // len(ids) + 1)
+    out = []
+    for p in prompts:
+        room = max(0, context - len(tokenizer.encode(p)))
+        out.append(tokenizer.decode(ids[:room]) + "\n\n" + p if room else p)
+    return out
 
 
 def _environment() -> dict[str, Any]:
@@ -157,11 +185,13 @@ def run_bench(
     block_size: int | None = None,
     chat_template: bool | None = None,
     system: str | None = None,
+    context: int | None = None,
     progress=None,
 ) -> dict[str, Any]:
     """Run every method on every prompt of every dataset; return the results as a dict.
 
     `progress(total)` may return `update(description, advance)`, called as the runs go.
+    `context`: prefix each prompt with earlier text of its set up to about that many tokens.
     """
     meths = parse_methods(methods)
     names = [d.strip() for d in ([datasets] if isinstance(datasets, str) else datasets)]
@@ -172,6 +202,8 @@ def run_bench(
     needs_drafter = any(m.mode in ("dflash", "ddtree") for m in meths)
     target, runner = load_pair(model, drafter, "dflash" if needs_drafter else "ar")
     tok = target.tokenizer
+    if context:
+        prompt_sets = {n: with_context(tok, ps, context) for n, ps in prompt_sets.items()}
     encoded = {
         n: [encode_prompt(tok, p, chat_template, system) for p in ps]
         for n, ps in prompt_sets.items()
@@ -229,6 +261,7 @@ def run_bench(
             if chat_template is None
             else chat_template,
             "system": system,
+            "context": context,
         },
         "environment": _environment(),
         "baseline": baseline,
