@@ -47,6 +47,15 @@ def load_openblas() -> str | None:
     path = find_openblas()
     if path is None:
         return None
+    if "mlx.core" in sys.modules:
+        import warnings
+
+        warnings.warn(
+            "mlx was imported before mlx_dflash, so OpenBLAS cannot take over float32 matmul "
+            "(10-30x slower on Linux): import mlx_dflash first.",
+            stacklevel=3,
+        )
+        return None
     try:
         ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     except OSError:

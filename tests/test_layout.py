@@ -109,3 +109,21 @@ def test_commands_do_not_import_each_other_and_the_library_not_the_cli():
             assert not used & others, f"{p.name} imports another command: {used & others}"
         elif p.parent.name != "cli":
             assert not any(u.startswith("mlx_dflash.cli") for u in used), p
+
+
+def test_importing_mlx_first_warns_on_linux():
+    """OpenBLAS only takes over when it loads before mlx: a library user who imports mlx
+    first is told so, rather than silently getting 10-30x slower float32 matmuls."""
+    if not sys.platform.startswith("linux"):
+        return
+    code = "import mlx.core; import mlx_dflash; print(mlx_dflash._blas.loaded_blas)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "import mlx_dflash first" in done.stderr and done.stdout.strip() == "None"
+    ok = subprocess.run(
+        [sys.executable, "-W", "error", "-c", "import mlx_dflash; import mlx.core"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ok.returncode == 0, ok.stderr
