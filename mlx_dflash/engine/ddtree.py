@@ -121,7 +121,7 @@ class DDTree:
             parents=tree.parents,
             taps=drafter is not None,
         )
-        mx.eval(logits, taps) if taps is not None else mx.eval(logits)
+        mx.eval(logits if taps is None else (logits, taps))
         t2 = time.perf_counter()
         path, bonus = walk(tree, logits, self.sampling, rng)
         for c in session.cache:
