@@ -48,7 +48,11 @@ def test_sync_is_incremental():
     for i in range(1, len(seq) + 1, 7):
         b.sync(seq[:i])
     b.sync(seq)
-    assert dict(a.index) == dict(b.index)
+    c = PromptLookup()
+    for i in range(0, len(seq), 5):  # what each DDTree round appends
+        c.extend(seq[i : i + 5])
+    assert dict(a.index) == dict(b.index) == dict(c.index)
+    assert a.tokens == b.tokens == c.tokens == [int(t) for t in seq]
 
 
 def test_graft_shares_prefixes_and_keeps_parents_first():
@@ -153,3 +157,27 @@ def test_lookup_sampling_matches_target(monkeypatch, sampling):
     monkeypatch.setattr(test_sampling, "PROMPT", prompt)
     for k, expected in enumerate(exact_marginals(target, sampling, depth)):
         assert chi2_pvalue(samples[:, k], expected) > 1e-3, f"token {k + 1} is biased"
+
+
+def test_rounds_index_exactly_the_text_so_far(target, monkeypatch):
+    """Each round appends only what it committed; the index must then hold the whole text
+    (prompt, every emitted token, the newest one included) and nothing else."""
+    from mlx_dflash.engine.ddtree import DDTree
+
+    checked = []
+    real = DDTree._lookup_chains
+
+    def checking(self, tree, last, room):
+        chains = real(self, tree, last, room)
+        assert self.lookup.tokens == [*self.session.tokens, last]
+        checked.append(1)
+        return chains
+
+    monkeypatch.setattr(DDTree, "_lookup_chains", checking)
+    target.set_taps([1, 3])
+    ref = mlx_lm_greedy(target, PROMPT, N)
+    oracle = OracleDrafter(PROMPT + ref, target.vocab_size, block_size=8, corrupt=0.3, seed=4)
+    for session, mode in ((Session(target, oracle), "ddtree"), (Session(target), "lookup")):
+        out, _ = run(session, PROMPT, max_tokens=N, mode=mode, budget="auto", lookup=6)
+        assert out == ref
+    assert len(checked) > 4

@@ -80,7 +80,9 @@ class DDTree:
     def _lookup_chains(self, tree: Tree, last: int, room: int) -> list[list[int]]:
         """Lookup branches for this round; under --budget auto, cut to the length that
         maximises expected tokens per second at the measured lookup acceptance."""
-        self.lookup.sync([*self.session.tokens, last])
+        # The index holds session.tokens + [last] as of the last round: its last token is the
+        # old `last`, now in session.tokens, so only the tokens after it are new.
+        self.lookup.extend([*self.session.tokens[len(self.lookup.tokens) :], last])
         chains = self.lookup.branches(min(self.lookup_len, room))
         if not chains or self.profile is None:
             return chains

@@ -28,16 +28,19 @@ class PromptLookup:
         self.index: dict[tuple[int, ...], list[int]] = defaultdict(list)
 
     def sync(self, tokens: list[int]) -> None:
-        """Index `tokens`, which extend what was indexed before (a new sequence restarts)."""
-        n_old = len(self.tokens)
-        if tokens[:n_old] != self.tokens:
+        """Index `tokens`: appended when they extend what was indexed, else a fresh start."""
+        if tokens[: len(self.tokens)] != self.tokens:
             self.__init__(self.max_ngram, self.min_ngram)
-            n_old = 0
-        self.tokens = list(tokens)
-        for end in range(n_old + 1, len(tokens) + 1):
-            for n in range(self.min_ngram, self.max_ngram + 1):
-                if end - n >= 0:
-                    self.index[tuple(tokens[end - n : end])].append(end)
+        self.extend(tokens[len(self.tokens) :])
+
+    def extend(self, new: list[int]) -> None:
+        """Append and index `new` tokens (each round: what it committed, no copy of the rest)."""
+        tokens = self.tokens
+        for tok in new:
+            tokens.append(int(tok))
+            end = len(tokens)
+            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                self.index[tuple(tokens[end - n : end])].append(end)
 
     def branches(self, max_len: int, max_branches: int = MAX_BRANCHES) -> list[list[int]]:
         """Up to `max_branches` distinct continuations (each at most `max_len` tokens) of the
