@@ -172,3 +172,18 @@ def test_long_context_prompts(pair, data_dir, tmp_path):
     assert res["settings"]["context"] == 300 and res["identical"]["identical"]
     for row in res["results"]:
         assert 2 * 280 <= row["prompt_tokens"] <= 2 * 330  # two prompts of ~300 tokens
+
+
+def test_bench_profile_splits_rounds(pair, data_dir, tmp_path):
+    """--profile: per-round draft / verify / host / Python time, against a plain step."""
+    out = tmp_path / "p.json"
+    args = bench_args(pair, out) + ["--data-dir", str(data_dir), "--no-plot", "--profile"]
+    r = CliRunner().invoke(app, [*args, "--methods", "mlx-lm,dflash,ddtree:4"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(out.read_text())
+    assert res["settings"]["profile"] is True
+    for row in res["results"][1:]:
+        assert row["time_draft_s"] > 0 and row["time_verify_s"] > 0
+        # Python graph building is part of drafting and verifying, never more.
+        assert 0 < row["time_build_s"] < row["time_draft_s"] + row["time_verify_s"]
+    assert "Round profile" in r.stdout and "plain steps" in r.stdout

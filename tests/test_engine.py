@@ -175,3 +175,35 @@ def test_quantized_target_exact(tmp_path, model_type):
         oracle = OracleDrafter(PROMPT + ref, target.vocab_size, block_size=8, corrupt=0.3)
         out, _ = run(Session(target, oracle), PROMPT, max_tokens=40, mode=mode, budget=16)
         assert out == ref, mode
+
+
+def test_greedy_dflash_round_syncs_with_the_host_once(target, monkeypatch):
+    """Drafts stay on the device: a greedy round reads drafts and the target's choices back in
+    one transfer, with no other eval (issue 19: host syncs are the overhead of small models)."""
+    from mlx_dflash.engine import rounds
+
+    calls = {"to_host": 0, "eval": 0}
+    real_to_host, real_eval = rounds.to_host, mx.eval
+
+    def counting_to_host(x):
+        calls["to_host"] += 1
+        return real_to_host(x)
+
+    def counting_eval(*args):
+        calls["eval"] += 1
+        return real_eval(*args)
+
+    monkeypatch.setattr(rounds, "to_host", counting_to_host)
+    ref = mlx_lm_greedy(target, PROMPT, 40)
+    session = Session(target, random_drafter(target))
+    out, draft_rounds = [], 0
+    gen = generate_rounds(session, PROMPT, GenerationConfig(max_tokens=40))
+    out += next(gen).tokens  # prefill evaluates the prompt's caches: not a round
+    monkeypatch.setattr(mx, "eval", counting_eval)
+    monkeypatch.setattr(mx, "async_eval", counting_eval)
+    for r in gen:
+        out += r.tokens
+        draft_rounds += r.drafted > 0
+    assert out == ref
+    assert draft_rounds > 5
+    assert calls == {"to_host": draft_rounds, "eval": 0}

@@ -20,7 +20,7 @@ def summarize(runs: list[Run]) -> dict[str, Any]:
     taus = [t for r in runs for t in r.taus]
     per_response = [sum(r.taus) / len(r.taus) for r in runs if r.taus]
     split = {}
-    for part in ("draft", "verify", "other"):
+    for part in ("draft", "verify", "other", "build"):
         vals = [getattr(r, f"t_{part}") for r in runs]
         split[f"time_{part}_s"] = None if any(v is None for v in vals) else sum(vals)
     return {
@@ -175,6 +175,8 @@ def print_report(results: dict[str, Any], console) -> None:
             f"{r.get('peak_memory_mb', 0):.0f}",
         )
     console.print(table)
+    if results["settings"].get("profile"):
+        print_profile(results, console)
     ident = results["identical"]
     if not ident["checked"]:
         console.print(f"Output identity not checked: {ident['reason']}.")
@@ -202,3 +204,45 @@ def print_report(results: dict[str, Any], console) -> None:
             "is a bug. In bf16/quantized targets, near-tied logits can flip between a "
             "multi-token verify and a one-token step.[/]"
         )
+
+
+def print_profile(results: dict[str, Any], console) -> None:
+    """bench --profile: where one round's time goes, in ms, next to one plain decoding step."""
+    from rich.table import Table
+
+    table = Table(
+        title="Round profile (ms; phases synced one by one)",
+        caption="Python: building MLX graphs, inside draft and verify; host: acceptance, "
+        "cache commit and the tree; step: one plain decoding step",
+    )
+    for col in ("dataset", "method", "rounds", "draft", "verify", "host", "Python", "total"):
+        table.add_column(col, justify="left" if col in ("dataset", "method") else "right")
+    table.add_column("plain steps", justify="right")
+    steps = {}
+    for r in results["results"]:
+        if r["method"] in ("mlx-lm", "ar") and r["generated_tokens"] > r["prompts"]:
+            per = r["time_decode_s"] / (r["generated_tokens"] - r["prompts"])
+            steps.setdefault(r["dataset"], per)  # mlx-lm's if it ran (it is listed first)
+    for r in results["results"]:
+        n = r["rounds"]
+        if not n:
+            continue
+
+        def ms(key, n=n, r=r):
+            v = r.get(key)
+            return "-" if v is None else f"{1000 * v / n:.2f}"
+
+        step = steps.get(r["dataset"])
+        total = r["time_decode_s"] / n
+        table.add_row(
+            r["dataset"],
+            r["method"],
+            str(n),
+            ms("time_draft_s"),
+            ms("time_verify_s"),
+            ms("time_other_s"),
+            ms("time_build_s"),
+            f"{1000 * total:.2f}",
+            "-" if not step else f"{total / step:.2f}",
+        )
+    console.print(table)

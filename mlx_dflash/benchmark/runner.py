@@ -71,6 +71,7 @@ class Run:
     t_draft: float | None = None
     t_verify: float | None = None
     t_other: float | None = None
+    t_build: float | None = None
     draft_rounds: int = 0
     peak_memory: int = 0  # bytes MLX held at most during the run (weights included)
 
@@ -91,6 +92,7 @@ def run_engine(target, runner, ids: list[int], cfg: GenerationConfig) -> Run:
         stats.t_draft,
         stats.t_verify,
         stats.t_other,
+        stats.t_build,
         stats.draft_rounds,
     )
 
@@ -186,12 +188,15 @@ def run_bench(
     chat_template: bool | None = None,
     system: str | None = None,
     context: int | None = None,
+    profile: bool = False,
     progress=None,
 ) -> dict[str, Any]:
     """Run every method on every prompt of every dataset; return the results as a dict.
 
     `progress(total)` may return `update(description, advance)`, called as the runs go.
     `context`: prefix each prompt with earlier text of its set up to about that many tokens.
+    `profile`: sync after each phase of a round, so draft / verify / host / Python times are
+    the device's (slower: nothing overlaps).
     """
     meths = parse_methods(methods)
     names = [d.strip() for d in ([datasets] if isinstance(datasets, str) else datasets)]
@@ -214,6 +219,7 @@ def run_bench(
         seed=seed,
         block_size=block_size,
         stop_ids=stop_ids(tok),
+        profile=profile,
     )
 
     total = sum(len(v) for v in encoded.values()) * len(meths)
@@ -263,6 +269,7 @@ def run_bench(
             else chat_template,
             "system": system,
             "context": context,
+            "profile": profile,
         },
         "environment": _environment(),
         "baseline": baseline,

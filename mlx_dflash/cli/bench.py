@@ -49,6 +49,11 @@ def bench_command(
         min=1,
         help="Long context: each prompt after earlier text of its set, about N tokens in all.",
     ),
+    profile: bool = typer.Option(
+        False,
+        "--profile",
+        help="Split each round into draft / verify / host / Python time (syncs every phase).",
+    ),
     out: Path = typer.Option(
         None, "--out", "-o", help="JSON results (default: bench-results/bench-<timestamp>.json)."
     ),
@@ -83,6 +88,7 @@ def bench_command(
             chat_template=chat_template,
             system=system,
             context=context,
+            profile=profile,
             progress=on_start,
         )
     png = None

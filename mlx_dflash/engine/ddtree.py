@@ -39,6 +39,7 @@ class DDTree:
         self.expected = self.realised = 0.0  # running extra tokens: predicted vs accepted
         self.tree_rounds = 0
         self.budgets: list[int] = []
+        self.t_build = 0.0  # this round's Python graph building (Round.t_build)
 
     @property
     def calibration(self) -> float:
@@ -63,7 +64,9 @@ class DDTree:
         max_b = AUTO_MAX_BUDGET if self.budget == "auto" else self.budget
         # A tree of max_b nodes is at most max_b deep: deeper slots' logits would go unused,
         # and the LM head over them is most of the drafter's time on a CPU.
+        t0 = time.perf_counter()
         logits_q = self.drafter.propose(last, start, min(n, max_b))
+        self.t_build = time.perf_counter() - t0
         k = min(self.branching or max_b, max_b)
         cand_tok, cand_lp = top_candidates(logits_q, k)
         tree = build_tree(last, cand_tok, cand_lp, max_b)
@@ -108,6 +111,7 @@ class DDTree:
             return self._plain(last, rng)
         start = len(session.tokens)
         t0 = time.perf_counter()
+        self.t_build = 0.0
         tree = self._drafter_tree(last, start, n) if drafter is not None else root_only(last)
         n_drafted = len(tree.tokens)
         chains = self._lookup_chains(tree, last, room) if self.lookup is not None else []
@@ -123,6 +127,7 @@ class DDTree:
             parents=tree.parents,
             taps=drafter is not None,
         )
+        self.t_build += time.perf_counter() - t1
         mx.eval(logits if taps is None else (logits, taps))
         t2 = time.perf_counter()
         path, bonus = walk(tree, logits, self.sampling, rng)
@@ -148,5 +153,11 @@ class DDTree:
             self.tree_rounds += 1
             self.pacer.record_tree(len(out), t3 - t0)
         return Round(
-            out, len(path), len(tree.tokens) - 1, t_draft=t1 - t0, t_verify=t2 - t1, t_other=t3 - t2
+            out,
+            len(path),
+            len(tree.tokens) - 1,
+            t_draft=t1 - t0,
+            t_verify=t2 - t1,
+            t_other=t3 - t2,
+            t_build=self.t_build,
         )

@@ -56,7 +56,7 @@ def generate_rounds(session: Session, prompt: list[int], cfg: GenerationConfig) 
         elif tree is not None:
             rnd = tree.round(last, n, rng, room)
         else:
-            rnd = dflash_round(session, last, n, cfg.sampling, rng)
+            rnd = dflash_round(session, last, n, cfg.sampling, rng, cfg.profile)
         for i, t in enumerate(rnd.tokens):
             if t in cfg.stop_ids:
                 rnd.tokens = rnd.tokens[: i + 1]

@@ -42,6 +42,9 @@ class GenerationConfig:
     lookup: int = 0  # prompt lookup: tokens per branch joining the tree (0: none)
     prefill_chunk: int = 512
     stop_ids: frozenset[int] = frozenset()
+    # Sync after each phase of a round so its time split is the device's (bench --profile);
+    # slower, since nothing overlaps.
+    profile: bool = False
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -67,6 +70,7 @@ class Round:
     t_draft: float = 0.0
     t_verify: float = 0.0
     t_other: float = 0.0
+    t_build: float = 0.0  # of the above, Python building MLX graphs (see GenerationConfig.profile)
     prefill: bool = False
     prefill_tokens: int = 0
     t_prefill: float = 0.0

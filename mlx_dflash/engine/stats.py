@@ -19,6 +19,7 @@ class Stats:
     t_draft: float = 0.0
     t_verify: float = 0.0
     t_other: float = 0.0
+    t_build: float = 0.0  # Python building graphs, inside draft + verify
     taus: list[int] = field(default_factory=list)
     draft_rounds: int = 0  # rounds that ran the drafter (auto's pauses and plain steps do not)
     finish: str | None = None
@@ -31,6 +32,7 @@ class Stats:
         self.t_draft += other.t_draft
         self.t_verify += other.t_verify
         self.t_other += other.t_other
+        self.t_build += other.t_build
         self.taus += other.taus
         self.draft_rounds += other.draft_rounds
 
@@ -45,6 +47,7 @@ class Stats:
             self.t_draft += r.t_draft
             self.t_verify += r.t_verify
             self.t_other += r.t_other
+            self.t_build += r.t_build
         self.tokens += len(r.tokens)
         self.finish = r.finished or self.finish
 
@@ -79,6 +82,7 @@ class Stats:
             "time_draft_s": self.t_draft,
             "time_verify_s": self.t_verify,
             "time_other_s": self.t_other,
+            "time_build_s": self.t_build,
             "time_prefill_s": self.t_prefill,
             "finish_reason": self.finish,
         }

@@ -1,0 +1,182 @@
+"""Build the overhead-bound case of issue 19: a tiny Qwen3 target and a drafter that accepts
+about 5 tokens per round, so a round's cost is almost all fixed overhead (Python, graph
+building, host syncs) rather than arithmetic.
+
+The planted pattern: the target is trained on a synthetic language of 5-token "words" (48
+words, disjoint tokens) in random order, so its greedy text is structured and learnable. A
+two-layer drafter is trained on the target's greedy answers only until greedy DFlash accepts
+about 5 tokens per round (16-token blocks) on held-out prompts, then saved.
+
+    python scripts/overhead_case.py build models/overhead-case      # ~3 minutes on 2 cores
+    python scripts/overhead_case.py measure models/overhead-case    # interleaved with mlx-lm
+    dflash-mlx bench -m models/overhead-case/target -d models/overhead-case/drafter \\
+        --dataset models/overhead-case/prompts.jsonl --no-chat-template -n 64 --profile
+
+Everything is random-seeded; nothing is downloaded.
+"""
+
+# isort: skip_file
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import mlx_dflash  # noqa: F401  (loads OpenBLAS before mlx on Linux)
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+WORDS, WORD_LEN, VOCAB, FIRST = 48, 5, 256, 3
+TAU = 5.0  # the planted acceptance: tokens per round
+
+
+def language(seed: int = 0) -> np.ndarray:
+    """(WORDS, WORD_LEN) token ids: each word's tokens, all distinct."""
+    rng = np.random.default_rng(seed)
+    ids = rng.permutation(np.arange(FIRST, FIRST + WORDS * WORD_LEN))
+    return ids.reshape(WORDS, WORD_LEN)
+
+
+def sentences(words: np.ndarray, n: int, n_words: int, rng) -> np.ndarray:
+    return words[rng.integers(0, WORDS, size=(n, n_words))].reshape(n, -1)
+
+
+def train_target(folder: Path, words: np.ndarray, steps: int = 200, seed: int = 0) -> None:
+    from factories import write_tiny_target
+    from mlx_lm.utils import load_model, save_model
+
+    write_tiny_target(
+        folder,
+        "qwen3",
+        seed=seed,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=384,
+        vocab_size=VOCAB,
+    )
+    model, _ = load_model(folder)
+    rng = np.random.default_rng(seed)
+    opt = optim.AdamW(learning_rate=3e-3)
+
+    def loss_fn(m, x):
+        logits = m(x[:, :-1])
+        return nn.losses.cross_entropy(logits, x[:, 1:], reduction="mean")
+
+    step = nn.value_and_grad(model, loss_fn)
+    for i in range(steps):
+        x = mx.array(sentences(words, 32, 14, rng).astype(np.int32))
+        loss, grads = step(model, x)
+        opt.update(model, grads)
+        mx.eval(loss, model.parameters(), opt.state)
+        if i % 50 == 0 or i == steps - 1:
+            print(f"target step {i}: loss {loss.item():.3f} (floor {np.log(WORDS) / WORD_LEN:.3f})")
+    save_model(folder, model)
+
+
+def build(out: Path) -> None:
+    from mlx_dflash import load_target
+    from mlx_dflash.training.data import batch_generate
+    from mlx_dflash.training.trainer import TrainConfig, Trainer, new_drafter_config
+    from mlx_dflash.models.drafter import init_drafter
+
+    words = language()
+    train_target(out / "target", words)
+    target = load_target(out / "target")
+    target.model.freeze()
+    rng = np.random.default_rng(1)
+    prompts = [p.tolist() for p in sentences(words, 256, 3, rng)]
+    answers = batch_generate(target.model, prompts, [0.0] * len(prompts), 96, set())
+    records = [
+        {"tokens": p + a, "prompt_len": len(p)} for p, a in zip(prompts, answers, strict=True)
+    ]
+    cfg = new_drafter_config(target, layers=2, mask_token_id=0)
+    drafter = init_drafter(cfg)
+    held_out = [p.tolist() for p in sentences(words, 8, 3, np.random.default_rng(2))]
+    trainer = Trainer(
+        target,
+        drafter,
+        records,
+        TrainConfig(steps=400, lr=1e-3, batch=16, max_len=128, eval_tokens=64),
+        out=out / "drafter",
+        eval_prompts=held_out,
+        fresh=True,
+    )
+    # The plant: stop as soon as greedy DFlash accepts TAU tokens per round on held-out
+    # prompts (trained on, it soon accepts whole blocks: the target's word order cycles).
+    while trainer.step < trainer.cfg.steps:
+        trainer.train_step()
+        if trainer.step % 2 == 0:
+            ev = trainer.evaluate()
+            print(f"drafter step {trainer.step}: tau {ev['tau']:.2f}")
+            if ev["tau"] >= TAU:
+                break
+    trainer.save()
+    for name in ("optimizer.npz", "train_state.json"):
+        (out / "drafter" / name).unlink(missing_ok=True)
+    tok = target.tokenizer
+    with (out / "prompts.jsonl").open("w") as f:
+        for p in held_out:
+            f.write(json.dumps({"prompt": tok.decode(p), "token_ids": p}) + "\n")
+    print(f"wrote {out}/target, {out}/drafter and {out}/prompts.jsonl")
+
+
+def measure(case: Path, max_tokens: int = 64, reps: int = 5, modes=("dflash", "ddtree")) -> None:
+    """Plain mlx-lm and our engine, interleaved prompt by prompt in one process: the time of
+    each (prefill + decoding of `max_tokens`) and the ratio, with tau."""
+    import time
+
+    from mlx_dflash import GenerationConfig, Session, generate_rounds, load_pair
+    from mlx_dflash.benchmark.runner import run_mlx_lm
+
+    target, drafter = load_pair(str(case / "target"), str(case / "drafter"))
+    prompts = [json.loads(line)["token_ids"] for line in (case / "prompts.jsonl").open()]
+    cfg = {m: GenerationConfig(max_tokens=max_tokens, mode=m, budget="auto") for m in modes}
+    times = {m: [] for m in ("mlx-lm", *modes)}
+    taus = {m: [] for m in modes}
+
+    def ours(ids, c):
+        out = []
+        t0 = time.perf_counter()
+        for rnd in generate_rounds(Session(target, drafter), ids, c):
+            out += rnd.tokens
+            if rnd.accepted and not rnd.prefill:
+                taus[c.mode].append(rnd.accepted)
+        return out, time.perf_counter() - t0
+
+    for _ in range(2):  # warm-up
+        run_mlx_lm(target, prompts[0], cfg[modes[0]])
+        for m in modes:
+            ours(prompts[0], cfg[m])
+    for _ in range(reps):
+        for ids in prompts:
+            t0 = time.perf_counter()
+            ref = run_mlx_lm(target, ids, cfg[modes[0]]).tokens
+            times["mlx-lm"].append(time.perf_counter() - t0)
+            for m in modes:
+                out, dt = ours(ids, cfg[m])
+                assert out == ref, f"{m} differs from mlx-lm"
+                times[m].append(dt)
+    base = sum(times["mlx-lm"])
+    n = len(times["mlx-lm"])
+    print(f"{n} generations of {max_tokens} tokens, interleaved; outputs identical")
+    print(f"mlx-lm: {1000 * base / n:.1f} ms per generation")
+    for m in modes:
+        t = sum(times[m])
+        print(
+            f"{m}: {1000 * t / n:.1f} ms, {t / base:.3f} of mlx-lm's time, "
+            f"tau {np.mean(taus[m]):.2f} over {len(taus[m])} rounds"
+        )
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] not in ("build", "measure"):
+        sys.exit(__doc__)
+    {"build": build, "measure": measure}[sys.argv[1]](Path(sys.argv[2]))
