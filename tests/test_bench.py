@@ -89,8 +89,8 @@ def test_bench_writes_json_and_plot(pair, data_dir, tmp_path):
 def test_planted_mismatch_is_reported(pair, data_dir, tmp_path, monkeypatch):
     real = bench.run_engine
 
-    def corrupt(target, runner, ids, cfg):
-        run = real(target, runner, ids, cfg)
+    def corrupt(target, runner, ids, cfg, session=None):
+        run = real(target, runner, ids, cfg, session)
         if cfg.mode == "dflash" and len(run.tokens) > 3:
             run.tokens[3] = (run.tokens[3] + 1) % target.vocab_size
         return run
@@ -163,15 +163,20 @@ def test_own_jsonl_and_errors(tmp_path, monkeypatch):
 
 
 def test_long_context_prompts(pair, data_dir, tmp_path):
-    """--context N: each prompt follows earlier text of its set, about N tokens in all."""
+    """--context N: each prompt follows earlier text of its set, about N tokens in all; our
+    methods share one prefill per prompt, and outputs still equal mlx-lm's."""
     out = tmp_path / "ctx.json"
-    args = bench_args(pair, out) + ["--methods", "mlx-lm,dflash", "--data-dir", str(data_dir)]
+    methods = "mlx-lm,dflash,ar,ddtree:4,lookup"
+    args = bench_args(pair, out) + ["--methods", methods, "--data-dir", str(data_dir)]
     r = CliRunner().invoke(app, [*args, "--dataset", "gsm8k", "--context", "300"])
     assert r.exit_code == 0, r.output
     res = json.loads(out.read_text())
     assert res["settings"]["context"] == 300 and res["identical"]["identical"]
-    for row in res["results"]:
-        assert 2 * 280 <= row["prompt_tokens"] <= 2 * 330  # two prompts of ~300 tokens
+    prefilled = {row["method"]: row["prompt_tokens"] for row in res["results"]}
+    for method in ("mlx-lm", "dflash"):  # two prompts of ~300 tokens, prefilled whole
+        assert 2 * 280 <= prefilled[method] <= 2 * 330
+    for method in ("ar", "ddtree:4", "lookup"):  # the prompt's last token only
+        assert prefilled[method] == 2
 
 
 def test_bench_profile_splits_rounds(pair, data_dir, tmp_path):

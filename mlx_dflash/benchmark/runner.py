@@ -76,9 +76,13 @@ class Run:
     peak_memory: int = 0  # bytes MLX held at most during the run (weights included)
 
 
-def run_engine(target, runner, ids: list[int], cfg: GenerationConfig) -> Run:
-    """Our engine (ar, dflash or ddtree) on one prompt, from an empty cache."""
-    session = Session(target, runner if cfg.mode in ("dflash", "ddtree") else None)
+def run_engine(
+    target, runner, ids: list[int], cfg: GenerationConfig, session: Session | None = None
+) -> Run:
+    """Our engine (ar, dflash, ddtree or lookup) on one prompt, from an empty cache, or from
+    `session`'s (which then prefills only the part of the prompt it does not hold)."""
+    if session is None:
+        session = Session(target, runner if cfg.mode in ("dflash", "ddtree") else None)
     stats, tokens = Stats(), []
     for rnd in generate_rounds(session, ids, cfg):
         stats.add(rnd)
@@ -125,7 +129,9 @@ def run_mlx_lm(target, ids: list[int], cfg: GenerationConfig) -> Run:
     return Run(tokens, len(ids), t_first - t0, t_last - t_first, [1] * max(n - 1, 0))
 
 
-def run_method(method: Method, target, runner, ids: list[int], cfg: GenerationConfig) -> Run:
+def run_method(
+    method: Method, target, runner, ids: list[int], cfg: GenerationConfig, session=None
+) -> Run:
     import mlx.core as mx
 
     mx.reset_peak_memory()
@@ -133,7 +139,8 @@ def run_method(method: Method, target, runner, ids: list[int], cfg: GenerationCo
         run = run_mlx_lm(target, ids, cfg)
     else:
         changes = {"mode": method.mode, "budget": method.budget, "lookup": method.lookup}
-        run = run_engine(target, runner, ids, GenerationConfig(**{**vars(cfg), **changes}))
+        cfg = GenerationConfig(**{**vars(cfg), **changes})
+        run = run_engine(target, runner, ids, cfg, session)
     run.peak_memory = mx.get_peak_memory()
     return run
 
@@ -194,7 +201,9 @@ def run_bench(
     """Run every method on every prompt of every dataset; return the results as a dict.
 
     `progress(total)` may return `update(description, advance)`, called as the runs go.
-    `context`: prefix each prompt with earlier text of its set up to about that many tokens.
+    `context`: prefix each prompt with earlier text of its set up to about that many tokens;
+    our engine's methods then share one prefill per prompt (a 16K-token prefill takes minutes
+    on a CPU), and each reports the prefill it did itself.
     `profile`: sync after each phase of a round, so draft / verify / host / Python times are
     the device's (slower: nothing overlaps).
     """
@@ -237,8 +246,9 @@ def run_bench(
     for name, prompts in encoded.items():
         for i, ids in enumerate(prompts):
             outputs[name].append({})
+            shared = Session(target, runner) if context else None
             for m in meths:
-                run = run_method(m, target, runner, ids, cfg)
+                run = run_method(m, target, runner, ids, cfg, shared)
                 runs[name][m.label].append(run)
                 outputs[name][i][m.label] = run.tokens
                 if update:
