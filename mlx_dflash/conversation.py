@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .engine import GenerationConfig, Session, Stats, stream_generate
-from .prompts import render, use_template
+from .prompts import render, thinking_kwargs, use_template
 
 
 class Conversation:
@@ -23,9 +23,11 @@ class Conversation:
         cfg: GenerationConfig,
         system: str | None = None,
         chat_template: bool | None = None,
+        thinking: bool | None = None,
     ):
         self.tokenizer = target.tokenizer
         self.templated = use_template(self.tokenizer, chat_template)
+        self.template_kwargs = thinking_kwargs(self.tokenizer, self.templated, thinking)
         self.cfg = cfg
         self.session = Session(target, runner if cfg.mode in ("dflash", "ddtree") else None)
         self.system = system or None
@@ -37,7 +39,7 @@ class Conversation:
     def render(self, user: str) -> list[int]:
         """Token ids of the whole conversation plus `user`, ready for the answer."""
         msgs = [*self.messages, {"role": "user", "content": user}]
-        return render(self.tokenizer, msgs, self.system, self.templated)
+        return render(self.tokenizer, msgs, self.system, self.templated, **self.template_kwargs)
 
     def turn(
         self,

@@ -24,13 +24,19 @@ def use_template(tokenizer, chat_template: bool | None) -> bool:
 
 
 def render(
-    tokenizer, messages: list[dict[str, str]], system: str | None = None, templated: bool = True
+    tokenizer,
+    messages: list[dict[str, str]],
+    system: str | None = None,
+    templated: bool = True,
+    **template_kwargs,
 ) -> list[int]:
     """Token ids for `messages` (role/content dicts, the last one the user's), ready for the
-    answer."""
+    answer. `template_kwargs` reach the chat template (enable_thinking=False for Qwen3)."""
     if templated:
         msgs = ([{"role": "system", "content": system}] if system else []) + list(messages)
-        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            msgs, add_generation_prompt=True, tokenize=True, **template_kwargs
+        )
         if isinstance(ids, dict):
             ids = ids["input_ids"]
         return list(ids)
@@ -44,14 +50,29 @@ def render(
     return ids
 
 
+def thinking_kwargs(tokenizer, templated: bool, thinking: bool | None) -> dict:
+    """The chat-template switch for thinking models (Qwen3 / Qwen3.5 `enable_thinking`);
+    None leaves the template's default."""
+    if thinking is None:
+        return {}
+    if not templated:
+        raise DFlashError("--thinking/--no-thinking needs the model's chat template.")
+    return {"enable_thinking": bool(thinking)}
+
+
 def encode_prompt(
-    tokenizer, prompt: str, chat_template: bool | None = None, system: str | None = None
+    tokenizer,
+    prompt: str,
+    chat_template: bool | None = None,
+    system: str | None = None,
+    thinking: bool | None = None,
 ) -> list[int]:
     """One user prompt, through the chat template when the model has one (or as asked)."""
     if not prompt.strip():
         raise DFlashError("The prompt is empty.")
     templated = use_template(tokenizer, chat_template)
-    return render(tokenizer, [{"role": "user", "content": prompt}], system, templated)
+    kwargs = thinking_kwargs(tokenizer, templated, thinking)
+    return render(tokenizer, [{"role": "user", "content": prompt}], system, templated, **kwargs)
 
 
 def stop_ids(tokenizer) -> frozenset[int]:

@@ -152,6 +152,7 @@ def chat_command(
     lookup: int = opts.LOOKUP,
     chat_template: bool = opts.CHAT_TEMPLATE,
     system: str = opts.SYSTEM,
+    thinking: bool = opts.THINKING,
 ) -> None:
     """Chat with a model in the terminal (/help for commands); scriptable through stdin."""
     cfg = opts.generation_config(
@@ -159,7 +160,7 @@ def chat_command(
     )
     target, runner = load_pair(model, drafter, mode)
     cfg = dataclasses.replace(cfg, stop_ids=stop_ids(target.tokenizer))
-    chat = Conversation(target, runner, cfg, system, chat_template)
+    chat = Conversation(target, runner, cfg, system, chat_template, thinking)
     io = RichIO() if sys.stdin.isatty() and sys.stdout.isatty() else PlainIO()
     if isinstance(io, RichIO):
         io.notice(f"dflash-mlx chat ({mode}) - /help for commands, /exit to quit")

@@ -29,6 +29,7 @@ def generate_command(
     lookup: int = opts.LOOKUP,
     chat_template: bool = opts.CHAT_TEMPLATE,
     system: str = opts.SYSTEM,
+    thinking: bool = opts.THINKING,
     as_json: bool = typer.Option(False, "--json", help="Print text and stats as one JSON object."),
     quiet_stats: bool = typer.Option(False, "--no-stats", help="Do not print the stats line."),
 ) -> None:
@@ -39,7 +40,7 @@ def generate_command(
         max_tokens, temp, top_p, top_k, seed, mode, block_size, budget, lookup
     )
     target, runner = load_pair(model, drafter, mode)
-    ids = encode_prompt(target.tokenizer, prompt, chat_template, system)
+    ids = encode_prompt(target.tokenizer, prompt, chat_template, system, thinking)
     cfg = dataclasses.replace(cfg, stop_ids=stop_ids(target.tokenizer))
     session = Session(target, runner if mode in ("dflash", "ddtree") else None)
     stats, text = Stats(), []

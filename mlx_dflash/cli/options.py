@@ -24,6 +24,12 @@ CHAT_TEMPLATE = typer.Option(
     None, "--chat-template/--no-chat-template", help="Default: use it when the model has one."
 )
 SYSTEM = typer.Option(None, "--system", help="System message (chat template).")
+THINKING = typer.Option(
+    None,
+    "--thinking/--no-thinking",
+    help="Thinking models (Qwen3, Qwen3.5): switch thinking on or off in the chat template "
+    "(default: the template's own default).",
+)
 LOOKUP = typer.Option(
     None,
     "--lookup",

@@ -1,0 +1,88 @@
+"""`dflash-mlx serve`: the OpenAI-compatible server (mlx_dflash.server) on a loaded pair."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+from ..errors import DFlashError
+from ..models.pair import load_pair
+from . import options as opts
+
+
+def serve_command(
+    model: str = opts.MODEL,
+    drafter: str = opts.DRAFTER,
+    host: str = typer.Option(
+        "127.0.0.1", "--host", help="Address to bind (0.0.0.0 exposes the server to the network)."
+    ),
+    port: int = typer.Option(8080, "--port", min=0, max=65535, help="0: any free port."),
+    mode: str = opts.MODE,
+    block_size: int = opts.BLOCK_SIZE,
+    budget: str = opts.BUDGET,
+    lookup: int = opts.LOOKUP,
+    temp: float = opts.TEMP,
+    top_p: float = opts.TOP_P,
+    top_k: int = opts.TOP_K,
+    max_tokens: int = typer.Option(
+        512, "--max-tokens", "-n", min=1, help="Answer length when a request does not say."
+    ),
+    api_key: str = typer.Option(
+        None, "--api-key", envvar="DFLASH_MLX_API_KEY", help="Require 'Authorization: Bearer KEY'."
+    ),
+    thinking: bool = typer.Option(
+        None,
+        "--thinking/--no-thinking",
+        help="Default enable_thinking for chat templates that have the switch (requests may "
+        "override it with chat_template_kwargs).",
+    ),
+    name: str = typer.Option(
+        None, "--served-model-name", help="Model id clients use (default: the model's name)."
+    ),
+    cache_mb: int = typer.Option(
+        2048, "--prefix-cache-mb", min=0, help="Memory for cached prompt prefixes."
+    ),
+    cache_sessions: int = typer.Option(
+        8, "--prefix-cache-sessions", min=1, help="Cached prompt prefixes kept at most."
+    ),
+    verbose: bool = typer.Option(False, "--verbose", help="Log every request."),
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (chat, completions, messages)."""
+    from ..server.http import App, ServerConfig, make_server
+
+    cfg = opts.generation_config(
+        max_tokens, temp, top_p, top_k, None, mode, block_size, budget, lookup
+    )
+    target, runner = load_pair(model, drafter, mode)
+    served = name or (Path(model).name if model else "stories260K")
+    aliases = tuple(a for a in (model, Path(model).name if model else None) if a)
+    config = ServerConfig(
+        model_name=served,
+        aliases=aliases,
+        api_key=api_key,
+        max_tokens=max_tokens,
+        thinking=thinking,
+        cache_bytes=cache_mb * 2**20,
+        cache_sessions=cache_sessions,
+    )
+    app = App(target, runner if mode in ("dflash", "ddtree") else None, cfg, config)
+    try:
+        server = make_server(app, host, port, verbose)
+    except OSError as e:
+        raise DFlashError(f"Cannot listen on {host}:{port}: {e.strerror or e}.") from None
+    bound = server.server_address[1]
+    print(
+        f"Serving '{served}' ({mode}) on http://{host}:{bound}/v1 "
+        f"- OpenAI base_url http://{host}:{bound}/v1; Ctrl-C stops.",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print("stopping", file=sys.stderr)
+    finally:
+        server.server_close()
+        app.worker.stop()

@@ -1,0 +1,427 @@
+"""The HTTP layer: routes, authentication, server-sent events, disconnects.
+
+Built on the standard library's ThreadingHTTPServer, as mlx-lm's own server is: no extra
+dependency, and since generation is one blocking loop on the worker thread, an async stack
+would add a thread hop without making streaming or cancellation simpler. A client that goes
+away is noticed at the next write (streaming) or by polling its socket while it waits (not
+streaming); either way its job is cancelled and the worker moves on.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import select
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from ..engine import GenerationConfig, SamplingParams
+from ..errors import DFlashError
+from ..prompts import has_template, render, stop_ids
+from . import protocol as P
+from .sessions import SessionPool
+from .text import prompt_opens_thinking, thinking_tags
+from .worker import Done, Job, Worker, job_config
+
+MAX_BODY = 16 * 2**20
+POLL_S = 0.1
+
+
+@dataclass
+class ServerConfig:
+    model_name: str
+    aliases: tuple[str, ...] = ()
+    api_key: str | None = None
+    max_tokens: int = 512  # when a request does not say
+    thinking: bool | None = None  # server-wide enable_thinking (None: the template's default)
+    cache_bytes: int = 2 * 2**30
+    cache_sessions: int = 8
+
+
+class App:
+    """What the handlers share: the loaded pair, the server's defaults, the worker."""
+
+    def __init__(self, target, runner, base: GenerationConfig, config: ServerConfig):
+        self.target, self.tokenizer, self.config = target, target.tokenizer, config
+        self.base = GenerationConfig(
+            **{**vars(base), "stop_ids": stop_ids(target.tokenizer), "max_tokens": 1}
+        )
+        self.mode = base.mode
+        pool = SessionPool(target, runner, config.cache_bytes, config.cache_sessions)
+        self.pool = pool
+        self.worker = Worker(target, runner, base.mode, pool)
+        self.context = int(target.text_config.get("max_position_embeddings") or 0) or None
+        self.templated = has_template(self.tokenizer)
+        self.tags = thinking_tags(self.tokenizer) if self.templated else None
+
+    def check_model(self, name: str | None) -> None:
+        ok = {self.config.model_name, *self.config.aliases}
+        if name is not None and name not in ok:
+            raise P.APIError(
+                404,
+                f"The model '{name}' does not exist: this server serves "
+                f"'{self.config.model_name}'.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def prepare(self, req: P.Request) -> Job:
+        """Prompt ids, settings and stop strings for a checked request."""
+        self.check_model(req.model)
+        thinking = None
+        if req.kind == "completion":
+            if not req.prompt.strip():
+                raise P.APIError(400, "The prompt is empty.", param="prompt")
+            ids = render(self.tokenizer, [{"role": "user", "content": req.prompt}], None, False)
+        else:
+            kwargs = {}
+            if self.config.thinking is not None:
+                kwargs["enable_thinking"] = self.config.thinking
+            kwargs.update(req.template_kwargs)
+            if not any(m["content"].strip() for m in req.messages) and not req.system:
+                raise P.APIError(400, "The messages are empty.", param="messages")
+            try:
+                ids = render(self.tokenizer, req.messages, req.system, self.templated, **kwargs)
+            except Exception as e:  # a template that rejects these messages (roles, order)
+                raise P.APIError(400, f"The chat template rejected the messages: {e}") from None
+            if self.tags is not None:
+                tail = self.tokenizer.decode(ids[-16:])
+                thinking = prompt_opens_thinking(tail, self.tags)
+        if self.context is not None and len(ids) >= self.context:
+            raise P.APIError(
+                400,
+                f"The prompt is {len(ids)} tokens; this model's context is {self.context}.",
+                param="messages" if req.kind != "completion" else "prompt",
+                code="context_length_exceeded",
+            )
+        room = self.context - len(ids) if self.context is not None else None
+        if req.max_tokens is not None:
+            if room is not None and req.max_tokens > room:
+                raise P.APIError(
+                    400,
+                    f"max_tokens {req.max_tokens} plus the prompt's {len(ids)} tokens exceed "
+                    f"this model's context of {self.context}.",
+                    param="max_tokens",
+                    code="context_length_exceeded",
+                )
+            max_tokens = req.max_tokens
+        else:
+            max_tokens = min(self.config.max_tokens, room) if room else self.config.max_tokens
+        s = self.base.sampling
+        sampling = SamplingParams(
+            s.temperature if req.temperature is None else float(req.temperature),
+            s.top_p if req.top_p is None else float(req.top_p),
+            s.top_k if req.top_k is None else int(req.top_k),
+        )
+        cfg = job_config(self.base, max_tokens=max_tokens, sampling=sampling, seed=req.seed)
+        return Job(ids, cfg, req.stop, thinking, self.tags or ("<think>", "</think>"))
+
+
+class Handler(BaseHTTPRequestHandler):
+    server_version = "dflash-mlx"
+    app: App  # set on the subclass made by make_server
+
+    def log_message(self, fmt, *args):  # quiet by default; `serve --verbose` turns it on
+        if getattr(self.server, "verbose", False):
+            super().log_message(fmt, *args)
+
+    # ---- plumbing -----------------------------------------------------------------------
+
+    def _send_json(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, e: P.APIError) -> None:
+        try:
+            self._send_json(e.status, e.body(anthropic=self.path.startswith("/v1/messages")))
+        except OSError:
+            pass
+
+    def _authorized(self) -> bool:
+        key = self.app.config.api_key
+        if not key:
+            return True
+        auth = self.headers.get("Authorization", "")
+        return auth == f"Bearer {key}" or self.headers.get("x-api-key") == key
+
+    def _body(self) -> dict:
+        try:
+            n = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            raise P.APIError(400, "Bad Content-Length header.") from None
+        if n > MAX_BODY:
+            raise P.APIError(413, f"The request body is over {MAX_BODY // 2**20} MB.")
+        return P.parse_json(self.rfile.read(n) if n else b"")
+
+    def _client_gone(self) -> bool:
+        try:
+            r, _, _ = select.select([self.connection], [], [], 0)
+            return bool(r) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+    def _events(self, job: Job):
+        """The job's events as they come; cancels it if the client goes away meanwhile."""
+        checked = time.monotonic()
+        while True:
+            try:
+                ev = job.events.get(timeout=POLL_S)
+            except queue.Empty:
+                ev = None
+            if time.monotonic() - checked >= POLL_S:
+                checked = time.monotonic()
+                if self._client_gone():
+                    job.cancel()
+                    return
+            if ev is None:
+                continue
+            yield ev
+            if ev[0] in ("done", "error"):
+                return
+
+    def _start_sse(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+        self.close_connection = True
+
+    def _sse(self, data: Any, event: str | None = None) -> None:
+        head = f"event: {event}\n" if event else ""
+        payload = data if isinstance(data, str) else json.dumps(data)
+        self.wfile.write(f"{head}data: {payload}\n\n".encode())
+        self.wfile.flush()
+
+    # ---- routes -------------------------------------------------------------------------
+
+    def do_GET(self):
+        path = self.path.split("?")[0].rstrip("/")
+        if path in ("/health", "/v1/health"):
+            app = self.app
+            return self._send_json(
+                200,
+                {
+                    "status": "ok",
+                    "model": app.config.model_name,
+                    "mode": app.mode,
+                    "busy": app.worker.busy,
+                    "queued": app.worker.waiting,
+                    "cached_prefixes": len(app.pool.idle),
+                },
+            )
+        if not self._authorized():
+            return self._error(P.APIError(401, "Missing or wrong API key.", "authentication_error"))
+        if path == "/v1/models":
+            return self._send_json(200, {"object": "list", "data": [self._model_card()]})
+        if path.startswith("/v1/models/"):
+            try:
+                self.app.check_model(path[len("/v1/models/") :])
+            except P.APIError as e:
+                return self._error(e)
+            return self._send_json(200, self._model_card())
+        self._error(P.APIError(404, f"No route for GET {path}.", "not_found_error"))
+
+    def _model_card(self) -> dict:
+        return {
+            "id": self.app.config.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "dflash-mlx",
+        }
+
+    def do_POST(self):
+        path = self.path.split("?")[0].rstrip("/")
+        kinds = {
+            "/v1/chat/completions": "chat",
+            "/v1/completions": "completion",
+            "/v1/messages": "messages",
+        }
+        try:
+            if path not in kinds:
+                raise P.APIError(404, f"No route for POST {path}.", "not_found_error")
+            if not self._authorized():
+                raise P.APIError(401, "Missing or wrong API key.", "authentication_error")
+            req = P.parse_request(kinds[path], self._body())
+            job = self.app.prepare(req)
+        except P.APIError as e:
+            return self._error(e)
+        except DFlashError as e:
+            return self._error(P.APIError(400, str(e)))
+        self.app.worker.submit(job)
+        try:
+            if req.kind == "messages":
+                (self._stream_messages if req.stream else self._answer_messages)(req, job)
+            elif req.stream:
+                self._stream(req, job)
+            else:
+                self._answer(req, job)
+        except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError):
+            job.cancel()
+
+    def _collect(self, job: Job) -> tuple[str, str, Done | None, str | None]:
+        content, reasoning, done, error = [], [], None, None
+        for ev in self._events(job):
+            if ev[0] == "text":
+                reasoning.append(ev[1] or "")
+                content.append(ev[2] or "")
+            elif ev[0] == "done":
+                done = ev[1]
+            else:
+                error = ev[1]
+        return "".join(content), "".join(reasoning), done, error
+
+    def _answer(self, req: P.Request, job: Job) -> None:
+        content, reasoning, done, error = self._collect(job)
+        if error is not None:
+            return self._error(P.APIError(500, error, "server_error"))
+        if done is None:  # the client left
+            return
+        name = self.app.config.model_name
+        use = P.usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
+        if req.kind == "chat":
+            thinking = reasoning if job.thinking is not None else None
+            body = P.chat_response(
+                P.new_id("chatcmpl"), name, content, thinking, done.finish, use, done.stats
+            )
+        else:
+            body = P.completion_response(
+                P.new_id("cmpl"), name, content, done.finish, use, done.stats
+            )
+        self._send_json(200, body)
+
+    def _stream(self, req: P.Request, job: Job) -> None:
+        name, chat = self.app.config.model_name, req.kind == "chat"
+        rid = P.new_id("chatcmpl" if chat else "cmpl")
+        self._start_sse()
+        if chat:
+            self._sse(P.chat_chunk(rid, name, {"role": "assistant", "content": ""}))
+        for ev in self._events(job):
+            if ev[0] == "text":
+                _, reasoning, content = ev
+                if chat:
+                    delta = {}
+                    if reasoning:
+                        delta["reasoning_content"] = reasoning
+                    if content:
+                        delta["content"] = content
+                    self._sse(P.chat_chunk(rid, name, delta))
+                else:
+                    self._sse(P.completion_chunk(rid, name, content))
+            elif ev[0] == "error":
+                self._sse(P.APIError(500, ev[1], "server_error").body())
+                break
+            else:
+                done: Done = ev[1]
+                if chat:
+                    self._sse(P.chat_chunk(rid, name, {}, done.finish, done.stats))
+                else:
+                    self._sse(P.completion_chunk(rid, name, "", done.finish, done.stats))
+                if req.include_usage:
+                    use = P.usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
+                    self._sse(P.usage_chunk(rid, name, req.kind, use))
+        self._sse("[DONE]")
+
+    def _answer_messages(self, req: P.Request, job: Job) -> None:
+        content, reasoning, done, error = self._collect(job)
+        if error is not None:
+            return self._error(P.APIError(500, error, "api_error"))
+        if done is None:
+            return
+        use = P.usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
+        body = P.messages_response(
+            P.new_id("msg"),
+            self.app.config.model_name,
+            content,
+            reasoning,
+            done.finish,
+            done.stop_string,
+            use,
+            done.stats,
+        )
+        self._send_json(200, body)
+
+    def _stream_messages(self, req: P.Request, job: Job) -> None:
+        rid, name = P.new_id("msg"), self.app.config.model_name
+        self._start_sse()
+        start = {"id": rid, "type": "message", "role": "assistant", "model": name, "content": []}
+        start.update(stop_reason=None, stop_sequence=None, usage={"input_tokens": 0})
+        self._sse({"type": "message_start", "message": start}, "message_start")
+        block, index = None, -1
+
+        def open_block(kind: str):
+            nonlocal block, index
+            if block is not None:
+                self._sse({"type": "content_block_stop", "index": index}, "content_block_stop")
+            block, index = kind, index + 1
+            empty = {"type": "thinking", "thinking": ""} if kind == "thinking" else None
+            empty = empty or {"type": "text", "text": ""}
+            self._sse(
+                {"type": "content_block_start", "index": index, "content_block": empty},
+                "content_block_start",
+            )
+
+        for ev in self._events(job):
+            if ev[0] == "text":
+                for kind, text in (("thinking", ev[1]), ("text", ev[2])):
+                    if not text:
+                        continue
+                    if block != kind:
+                        open_block(kind)
+                    key = "thinking_delta" if kind == "thinking" else "text_delta"
+                    field = "thinking" if kind == "thinking" else "text"
+                    self._sse(
+                        {
+                            "type": "content_block_delta",
+                            "index": index,
+                            "delta": {"type": key, field: text},
+                        },
+                        "content_block_delta",
+                    )
+            elif ev[0] == "error":
+                self._sse(P.APIError(500, ev[1], "api_error").body(anthropic=True), "error")
+                return
+            else:
+                done: Done = ev[1]
+                if block is None:
+                    open_block("text")
+                self._sse({"type": "content_block_stop", "index": index}, "content_block_stop")
+                self._sse(
+                    {
+                        "type": "message_delta",
+                        "delta": {
+                            "stop_reason": P.anthropic_stop(done.finish, done.stop_string),
+                            "stop_sequence": done.stop_string,
+                        },
+                        "usage": {"output_tokens": done.completion_tokens},
+                        "dflash": done.stats,
+                    },
+                    "message_delta",
+                )
+                self._sse({"type": "message_stop"}, "message_stop")
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+def make_server(app: App, host: str = "127.0.0.1", port: int = 8080, verbose: bool = False):
+    """A ready server (not yet serving): `serve_forever()` blocks, `shutdown()` stops it."""
+    handler = type("BoundHandler", (Handler,), {"app": app})
+    server = Server((host, port), handler)
+    server.verbose = verbose
+    return server
+
+
+def serve_in_thread(server) -> threading.Thread:
+    t = threading.Thread(target=server.serve_forever, name="dflash-http", daemon=True)
+    t.start()
+    return t

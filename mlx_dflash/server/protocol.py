@@ -1,0 +1,283 @@
+"""Requests in, JSON out: the OpenAI (and Anthropic messages) shapes, checked field by field.
+
+Every bad request becomes an APIError, which the HTTP layer answers as
+`{"error": {"message", "type", "param", "code"}}` with a 4xx status; nothing here touches the
+model.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type,
+            param,
+            code,
+        )
+
+    def body(self, anthropic: bool = False) -> dict:
+        if anthropic:
+            return {"type": "error", "error": {"type": self.type, "message": self.message}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+@dataclass
+class Request:
+    """One generation request, whatever endpoint it came in by."""
+
+    kind: str  # "chat" | "completion" | "messages"
+    model: str | None
+    messages: list[dict[str, str]] | None = None  # chat, messages
+    prompt: str | None = None  # completion
+    system: str | None = None  # messages: Anthropic puts it at the top level
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw or b"")
+    except (ValueError, UnicodeDecodeError):
+        raise APIError(400, "The request body is not valid JSON.") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object.")
+    return body
+
+
+def _get(body: dict, name: str, types: tuple, default=None, check=None, what: str = ""):
+    """body[name] if present and of `types` (bool is never a number), else an APIError."""
+    if name not in body or body[name] is None:
+        return default
+    v = body[name]
+    if isinstance(v, bool) and bool not in types:
+        ok = False
+    else:
+        ok = isinstance(v, types)
+    if not ok or (check is not None and not check(v)):
+        raise APIError(400, f"'{name}' must be {what}, not {json.dumps(v)[:80]}.", param=name)
+    return v
+
+
+def _text(content: Any, where: str) -> str:
+    """Message content: a string, or a list of text parts (images are not supported)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text":
+                out.append(str(part.get("text", "")))
+            elif isinstance(part, str):
+                out.append(part)
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise APIError(400, f"{where}: content parts of type '{kind}' are not supported.")
+        return "".join(out)
+    if content is None:
+        return ""
+    raise APIError(400, f"{where}: 'content' must be a string or a list of text parts.")
+
+
+def _messages(body: dict) -> list[dict[str, str]]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise APIError(400, "'messages' must be a non-empty list.", param="messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(400, f"messages[{i}] must be an object with a 'role'.", "messages")
+        role = "system" if m["role"] == "developer" else m["role"]
+        if role not in ("system", "user", "assistant", "tool"):
+            raise APIError(400, f"messages[{i}] has an unknown role '{m['role']}'.", "messages")
+        out.append({"role": role, "content": _text(m.get("content"), f"messages[{i}]")})
+    return out
+
+
+def parse_request(kind: str, body: dict) -> Request:
+    """Check a chat / completion / messages body and return what the engine needs."""
+    number = (int, float)
+    req = Request(kind=kind, model=_get(body, "model", (str,), what="a string"))
+    if kind == "completion":
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise APIError(400, "'prompt' must be a string.", param="prompt")
+        req.prompt = prompt
+    else:
+        req.messages = _messages(body)
+        if kind == "messages":
+            system = body.get("system")
+            req.system = _text(system, "system") if system is not None else None
+    positive = lambda v: v >= 1  # noqa: E731
+    req.max_tokens = _get(body, "max_completion_tokens", (int,), None, positive, "an integer >= 1")
+    req.max_tokens = _get(body, "max_tokens", (int,), req.max_tokens, positive, "an integer >= 1")
+    if kind == "messages" and req.max_tokens is None:
+        raise APIError(400, "'max_tokens' is required.", param="max_tokens")
+    req.temperature = _get(body, "temperature", number, None, lambda v: 0 <= v <= 2, "in [0, 2]")
+    req.top_p = _get(body, "top_p", number, None, lambda v: 0 < v <= 1, "in (0, 1]")
+    req.top_k = _get(body, "top_k", (int,), None, lambda v: v >= 0, "an integer >= 0")
+    req.seed = _get(body, "seed", (int,), what="an integer")
+    n = _get(body, "n", (int,), 1, what="an integer")
+    if n != 1:
+        raise APIError(400, "Only n=1 is supported.", param="n")
+    stop = body.get("stop_sequences" if kind == "messages" else "stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (
+        not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)
+    ):
+        raise APIError(400, "'stop' must be a string or a list of non-empty strings.", "stop")
+    req.stop = list(stop or [])[:16]
+    req.stream = bool(_get(body, "stream", (bool,), False, what="true or false"))
+    opts = _get(body, "stream_options", (dict,), {}, what="an object")
+    req.include_usage = bool(opts.get("include_usage", False))
+    req.template_kwargs = dict(
+        _get(body, "chat_template_kwargs", (dict,), {}, what="an object") or {}
+    )
+    return req
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def chat_message(content: str, reasoning: str | None) -> dict:
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        msg["reasoning_content"] = reasoning
+    return msg
+
+
+def chat_response(rid, model, content, reasoning, finish, use, stats) -> dict:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": now(),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": chat_message(content, reasoning),
+                "finish_reason": finish,
+                "logprobs": None,
+            }
+        ],
+        "usage": use,
+        "dflash": stats,
+    }
+
+
+def chat_chunk(rid, model, delta: dict, finish=None, stats=None) -> dict:
+    out = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": now(),
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+    }
+    if stats is not None:
+        out["dflash"] = stats
+    return out
+
+
+def completion_response(rid, model, text, finish, use, stats) -> dict:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": now(),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+        "usage": use,
+        "dflash": stats,
+    }
+
+
+def completion_chunk(rid, model, text, finish=None, stats=None) -> dict:
+    out = {
+        "id": rid,
+        "object": "text_completion",
+        "created": now(),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+    }
+    if stats is not None:
+        out["dflash"] = stats
+    return out
+
+
+def usage_chunk(rid, model, kind: str, use: dict) -> dict:
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": now(), "model": model, "choices": [], "usage": use}
+
+
+# Anthropic messages: the same core, another envelope.
+def anthropic_stop(finish: str, stop_string: str | None) -> str:
+    if stop_string is not None:
+        return "stop_sequence"
+    return "max_tokens" if finish == "length" else "end_turn"
+
+
+def messages_response(rid, model, content, reasoning, finish, stop_seq, use, stats) -> dict:
+    blocks = []
+    if reasoning:
+        blocks.append({"type": "thinking", "thinking": reasoning})
+    blocks.append({"type": "text", "text": content})
+    return {
+        "id": rid,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": blocks,
+        "stop_reason": anthropic_stop(finish, stop_seq),
+        "stop_sequence": stop_seq,
+        "usage": {
+            "input_tokens": use["prompt_tokens"],
+            "output_tokens": use["completion_tokens"],
+        },
+        "dflash": stats,
+    }

@@ -1,0 +1,114 @@
+"""Streamed text, cut where the client wants: stop strings, and the thinking split.
+
+Both work on text as it arrives in pieces, holding back only what could still turn out to be
+the start of a stop string or of a `<think>` / `</think>` tag.
+"""
+
+from __future__ import annotations
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def _held(buf: str, patterns: list[str]) -> int:
+    """Length of the longest end of `buf` that begins one of `patterns` (not all of it)."""
+    best = 0
+    for p in patterns:
+        for k in range(min(len(p) - 1, len(buf)), best, -1):
+            if p.startswith(buf[-k:]):
+                best = k
+                break
+    return best
+
+
+class StopStrings:
+    """feed(text) -> (text safe to send, the stop string hit or None)."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.buf = ""
+
+    def feed(self, text: str) -> tuple[str, str | None]:
+        if not self.stops:
+            return text, None
+        self.buf += text
+        hits = [(self.buf.find(s), s) for s in self.stops if s in self.buf]
+        if hits:
+            i, s = min(hits)
+            out, self.buf = self.buf[:i], ""
+            return out, s
+        keep = _held(self.buf, self.stops)
+        out = self.buf[: len(self.buf) - keep]
+        self.buf = self.buf[len(self.buf) - keep :]
+        return out, None
+
+    def flush(self) -> str:
+        out, self.buf = self.buf, ""
+        return out
+
+
+def thinking_tags(tokenizer) -> tuple[str, str] | None:
+    """The model's thinking tags: mlx-lm's reading of the vocabulary (<think>, and the other
+    formats it knows), else <think> if the chat template writes it; None: not a thinking model."""
+    if getattr(tokenizer, "has_thinking", False):
+        return tokenizer.think_start, tokenizer.think_end
+    if THINK_OPEN in str(getattr(tokenizer, "chat_template", None) or ""):
+        return THINK_OPEN, THINK_CLOSE
+    return None
+
+
+def prompt_opens_thinking(prompt_text: str, tags=(THINK_OPEN, THINK_CLOSE)) -> bool:
+    """The rendered prompt ends inside a thinking block (Qwen3.5-style templates write
+    `<think>` into the generation prompt; the model then only closes it)."""
+    return prompt_text.rfind(tags[0]) > prompt_text.rfind(tags[1])
+
+
+class ThinkingSplitter:
+    """feed(text) -> (reasoning, content): what is inside <think>...</think> and what is not.
+
+    `thinking`: the answer starts inside a thinking block. A `<think>` opening the answer
+    starts one too (Qwen3 writes it itself). The newlines around the tags are dropped.
+    """
+
+    def __init__(self, thinking: bool = False, tags=(THINK_OPEN, THINK_CLOSE)):
+        self.open, self.close = tags
+        self.thinking = thinking
+        self.started = thinking  # a <think> is only honoured at the start of the answer
+        self.buf = ""
+        self.strip = True  # drop newlines that open a section
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self.buf += text
+        reasoning = content = ""
+        while self.buf:
+            if self.strip:
+                self.buf = self.buf.lstrip("\n")
+                if not self.buf:
+                    break
+            if not self.thinking and not self.started:
+                if self.open.startswith(self.buf) and self.buf != self.open:
+                    break  # could still become <think>
+                self.started = True
+                if self.buf.startswith(self.open):
+                    self.buf = self.buf[len(self.open) :]
+                    self.thinking, self.strip = True, True
+                    continue
+            if not self.thinking:
+                content += self.buf
+                self.buf, self.strip = "", False
+                break
+            i = self.buf.find(self.close)
+            if i >= 0:
+                reasoning += self.buf[:i].rstrip("\n") if i else ""
+                self.buf = self.buf[i + len(self.close) :]
+                self.thinking, self.strip = False, True
+                continue
+            keep = _held(self.buf, [self.close])
+            reasoning += self.buf[: len(self.buf) - keep]
+            self.buf = self.buf[len(self.buf) - keep :]
+            self.strip = False
+            break
+        return reasoning, content
+
+    def flush(self) -> tuple[str, str]:
+        out, self.buf = self.buf, ""
+        return (out, "") if self.thinking else ("", out)
