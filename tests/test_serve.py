@@ -454,3 +454,21 @@ def test_serve_command_rejects_a_busy_port(run_cli, folders):
 def test_other_thinking_tags():
     t = ThinkingSplitter(True, ("<|think:start|>", "<|think:end|>"))
     assert t.feed("hmm<|think:") == ("hmm", "") and t.feed("end|>\n\nOK") == ("", "OK")
+
+
+def test_model_without_chat_template():
+    """The embedded stories260K pair (the default with no --model) has no chat template:
+    completions are served as they are, and chat continues the messages' plain text."""
+    server, app, url = start(None)
+    try:
+        assert app.config.model_name == "tiny" and not app.templated
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        text = c.completions.create(model="tiny", prompt="Once upon a time", max_tokens=20)
+        chat = c.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Once upon a time"}], max_tokens=20
+        )
+        assert chat.choices[0].message.content == text.choices[0].text
+        assert "reasoning_content" not in chat.choices[0].message.model_extra
+    finally:
+        server.shutdown()
+        app.worker.stop()
