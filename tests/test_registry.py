@@ -186,13 +186,13 @@ def test_shipped_drafter(name):
 def test_config_checked_before_any_weight_download(cache, hub, tmp_path, monkeypatch):
     """An unsupported architecture, or a checkpoint of the wrong kind, is one sentence after
     fetching config.json alone: no weight is downloaded, nothing is left in the cache."""
-    kimi = tmp_path / "kimi"
-    kimi.mkdir()
-    text = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61}
-    (kimi / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": text}))
-    serve(monkeypatch, {"moonshotai/Kimi-K2.5": kimi, **hub}, calls := [], configs := [])
+    gemma = tmp_path / "gemma"
+    gemma.mkdir()
+    text = {"model_type": "gemma3_text", "hidden_size": 2560, "num_hidden_layers": 34}
+    (gemma / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text}))
+    serve(monkeypatch, {"google/gemma-3-4b-it": gemma, **hub}, calls := [], configs := [])
     cases = [
-        ("moonshotai/Kimi-K2.5", "target", "architecture 'kimi_k25' is not supported"),
+        ("google/gemma-3-4b-it", "target", "architecture 'gemma3' is not supported"),
         ("z-lab/Tiny-8B-DFlash", "target", "pass it with --drafter"),  # swapped arguments
         ("acme/Tiny-8B", "drafter", "not a DFlash drafter"),
     ]

@@ -2,7 +2,7 @@
 layers of Qwen3.5 / Qwen3-Next), through mlx-lm's own projections, norms and rope.
 
 One function per attention family: this one for multi-head attention with GQA; Gated DeltaNet
-is gated_deltanet.py; MLA (DeepSeek-V3 / Kimi) will be its own module.
+is gated_deltanet.py; MLA (DeepSeek-V3 / Kimi) is mla.py.
 """
 
 from __future__ import annotations

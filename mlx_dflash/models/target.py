@@ -22,6 +22,7 @@ from ..kernels.tree_attention import tree_depths
 from .attention import AttentionSpec, attention
 from .cache import KVCache
 from .gated_deltanet import RecurrentCache, gdn_forward
+from .mla import is_mla, mla_attention
 
 ARCHITECTURES: dict[str, AttentionSpec] = {
     "llama": AttentionSpec(),
@@ -34,10 +35,17 @@ ARCHITECTURES: dict[str, AttentionSpec] = {
     "qwen3_5": AttentionSpec(qk_norm=True, gated=True),
     "qwen3_5_moe": AttentionSpec(qk_norm=True, gated=True),
     "qwen3_next": AttentionSpec(qk_norm=True, gated=True),
+    # Multi-head latent attention (models/mla.py) and DeepSeek MoE; Kimi-K2.5 wraps it.
+    "deepseek_v3": AttentionSpec(),
+    "kimi_k25": AttentionSpec(),
 }
 # Text-only exports of the multimodal Qwen3.5 / 3.6 checkpoints name their language model's own
 # type; mlx-lm builds both layouts from the wrapper's module (its ModelArgs accepts a flat config).
-TEXT_MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+TEXT_MODEL_TYPES = {
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe_text": "qwen3_5_moe",
+    "kimi_k2": "deepseek_v3",  # Kimi-K2's (and Kimi-K2.5's text_config's) own type
+}
 
 
 def architecture(config: dict) -> str:
@@ -156,6 +164,8 @@ class Target:
             x = layer.input_layernorm(h)
             if _is_linear(layer):
                 r = gdn_forward(layer.linear_attn, x, c, start, np_parents, rewindable)
+            elif is_mla(layer.self_attn):
+                r = mla_attention(layer.self_attn, x, c, start, positions, parents, masks)
             else:
                 r = attention(layer.self_attn, self.spec, x, c, start, positions, parents, masks)
             h = h + r
