@@ -313,3 +313,122 @@ def test_kimi_k25_folder_loads_through_mlx_lm(tmp_path):
     assert (
         json.loads((tmp_path / "config.json").read_text())["text_config"]["model_type"] == "kimi_k2"
     )
+
+
+# ---- Kimi-K2.5 as published: int4 (compressed-tensors) routed experts -----------------------
+
+# The published quantization block (routed experts int4, symmetric, groups of 32; the rest bf16).
+COMPRESSED_TENSORS = {
+    "quant_method": "compressed-tensors",
+    "format": "pack-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {
+                "num_bits": 4,
+                "group_size": 32,
+                "symmetric": True,
+                "strategy": "group",
+                "type": "int",
+                "dynamic": False,
+                "actorder": None,
+                "observer": "minmax",
+            },
+            "input_activations": None,
+            "output_activations": None,
+        }
+    },
+    "ignore": [
+        "lm_head",
+        "re:.*self_attn.*",
+        "re:.*shared_experts.*",
+        "re:.*mlp\\.(gate|up|down)_proj.*",
+    ],
+    "kv_cache_scheme": None,
+}
+
+
+def _pack_int4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """compressed-tensors' symmetric int4 (groups of 32 along the input): int32 words of 8
+    nibbles (value + 8, lowest nibble first) and one scale per group."""
+    out_dim, in_dim = w.shape
+    g = w.reshape(out_dim, in_dim // 32, 32)
+    scale = np.abs(g).max(axis=-1) / 7.0
+    q = np.clip(np.round(g / scale[..., None]), -8, 7).astype(np.int64) + 8
+    q = q.reshape(out_dim, in_dim // 8, 8)
+    words = np.zeros((out_dim, in_dim // 8), dtype=np.uint32)
+    for j in range(8):
+        words |= (q[..., j].astype(np.uint32) & 0xF) << np.uint32(4 * j)
+    return words.view(np.int32), scale.astype(np.float32)
+
+
+def write_kimi_hf_int4(path, seed: int):
+    """A Kimi-K2.5 folder as published: wrapper config with the quantization block,
+    `language_model.*` torch names, kv_b_proj unsplit, per-expert int4 tensors
+    (weight_packed / weight_scale / weight_shape), vision-tower tensors to be dropped."""
+    cfg = copy.deepcopy(CONFIGS["kimi_k25"])
+    cfg["text_config"]["quantization_config"] = COMPRESSED_TENSORS
+    model = build(CONFIGS["kimi_k25"], seed)
+    text = cfg["text_config"]
+    H = text["num_attention_heads"]
+    out = {}
+    for k, v in tree_flatten(model.parameters()):
+        a = np.array(v)
+        if k.endswith("self_attn.embed_q.weight"):
+            unembed = np.array(
+                dict(tree_flatten(model.parameters()))[k.replace("embed_q", "unembed_out")]
+            )
+            kv_b = np.concatenate([a.swapaxes(-1, -2), unembed], axis=1)
+            out[k.replace("embed_q.weight", "kv_b_proj.weight")] = kv_b.reshape(
+                H * kv_b.shape[1], -1
+            )
+        elif k.endswith("self_attn.unembed_out.weight"):
+            continue
+        elif ".switch_mlp." in k:
+            base, proj = k.split(".switch_mlp.")
+            proj = proj.replace(".weight", "")
+            for e in range(a.shape[0]):
+                packed, scale = _pack_int4(a[e])
+                name = f"{base}.experts.{e}.{proj}"
+                out[f"{name}.weight_packed"] = packed
+                out[f"{name}.weight_scale"] = scale
+                out[f"{name}.weight_shape"] = np.array(a[e].shape, dtype=np.int32)
+        else:
+            out[k] = a
+    out["vision_tower.patch_embed.proj.weight"] = np.zeros((4, 3, 2, 2), np.float32)
+    out["mm_projector.proj.0.weight"] = np.zeros((8, 8), np.float32)
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(
+        str(path / "model.safetensors"), {k: mx.array(v) for k, v in out.items()}, {"format": "pt"}
+    )
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    write_tiny_tokenizer(path, 256)
+    return path
+
+
+def test_kimi_k25_published_int4_layout_loads_and_runs_exactly(tmp_path, run_cli):
+    """The published layout (int4 compressed-tensors experts) loads through mlx-lm, converts
+    with `dflash-mlx convert`, and DFlash / DDTree on it equal mlx-lm on the same folder."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    for seed in range(20):
+        folder = write_kimi_hf_int4(tmp_path / f"Kimi-K2.5-{seed}", seed)
+        target = load_target(folder)
+        ref = mlx_lm_greedy(target, PROMPT, N)
+        if router_margin(target, PROMPT + ref, len(PROMPT)) > 1e-3:
+            break
+    moe = target.layers[-1].mlp.switch_mlp
+    assert isinstance(moe.gate_proj, QuantizedSwitchLinear) and moe.gate_proj.bits == 4
+    assert not hasattr(target.layers[-1].self_attn.o_proj, "scales")  # the rest stays float
+    target.set_taps([1, 3])
+    for mode, budget in (("dflash", 1), ("ddtree", 8)):
+        oracle = OracleDrafter(PROMPT + ref, target.vocab_size, block_size=8, corrupt=0.3, seed=2)
+        out, _ = run(Session(target, oracle), PROMPT, max_tokens=N, mode=mode, budget=budget)
+        assert out == ref
+    out_dir = str(tmp_path / "mlx")
+    code, _, err = run_cli("convert", str(folder), "--out", out_dir, "--dtype", "float32")
+    assert code == 0, err
+    converted = load_target(tmp_path / "mlx")
+    assert isinstance(converted.layers[-1].mlp.switch_mlp.up_proj, QuantizedSwitchLinear)
+    assert mlx_lm_greedy(converted, PROMPT, N) == ref

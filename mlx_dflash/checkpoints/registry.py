@@ -28,8 +28,8 @@ DRAFTERS: dict[str, str] = {
 NOT_YET: dict[str, tuple[str, str]] = {
     "moonshotai/Kimi-K2.5": (
         "z-lab/Kimi-K2.5-DFlash",
-        "its int4 (compressed-tensors) weights and targets sharded over several Macs are not "
-        "supported yet (the MLA attention itself runs: deepseek_v3 / kimi_k25 targets)",
+        "at about a trillion parameters it needs several Macs, and targets sharded over "
+        "several Macs are not supported yet (its MLA attention and int4 weights load and run)",
     ),
 }
 
