@@ -8,6 +8,7 @@ import sys
 
 import typer
 
+from .. import distributed
 from ..engine import Session, Stats, stream_generate
 from ..models.pair import load_pair
 from ..prompts import encode_prompt, stop_ids
@@ -39,19 +40,28 @@ def generate_command(
     cfg = opts.generation_config(
         max_tokens, temp, top_p, top_k, seed, mode, block_size, budget, lookup
     )
-    target, runner = load_pair(model, drafter, mode)
+    world = distributed.init()  # several ranks under mlx.launch: a sharded target
+    target, runner = load_pair(model, drafter, mode, world)
     ids = encode_prompt(target.tokenizer, prompt, chat_template, system, thinking)
     cfg = dataclasses.replace(cfg, stop_ids=stop_ids(target.tokenizer))
     session = Session(target, runner if mode in ("dflash", "ddtree") else None)
+    main = world is None or world.is_main  # only rank 0 prints
     stats, text = Stats(), []
     for chunk in stream_generate(session, ids, cfg):
         stats.add(chunk.round)
         text.append(chunk.text)
-        if not as_json:
+        if world is not None:
+            world.beat()
+        if main and not as_json:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
+    if not main:
+        return
     if as_json:
-        print(json.dumps({"text": "".join(text), "mode": mode, **stats.to_dict()}))
+        extra = {"world_size": world.size if world else 1}
+        if world is not None:
+            extra["host_decisions"] = {"broadcasts": world.collectives, "bytes": world.bytes_agreed}
+        print(json.dumps({"text": "".join(text), "mode": mode, **stats.to_dict(), **extra}))
         return
     sys.stdout.write("\n")
     if not quiet_stats:

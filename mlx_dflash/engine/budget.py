@@ -56,12 +56,13 @@ class VerifyProfile:
     @classmethod
     def load_or_measure(cls, target, key: str) -> VerifyProfile:
         path = cache_root() / "profiles" / f"{key}.json"
-        if path.exists():
-            try:
-                d = json.loads(path.read_text())
-                return cls(d["sizes"], d["seconds"])
-            except (ValueError, KeyError):
-                pass  # a damaged profile is simply measured again
+        world = getattr(target, "world", None)
+        prof = cls._load(path)
+        # Measuring runs forwards, which a sharded target's ranks must all run together.
+        if prof is not None and (world is None or world.all_true(True)):
+            return prof
+        if prof is None and world is not None:
+            world.all_true(False)
         prof = cls.measure(target)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -70,12 +71,24 @@ class VerifyProfile:
             pass
         return prof
 
+    @classmethod
+    def _load(cls, path):
+        if path.exists():
+            try:
+                d = json.loads(path.read_text())
+                return cls(d["sizes"], d["seconds"])
+            except (ValueError, KeyError):
+                pass  # a damaged profile is simply measured again
+        return None
+
 
 def profile_key(target) -> str:
     device = "gpu" if mx.metal.is_available() else "cpu"
     ident = json.dumps(target.config, sort_keys=True, default=str)
     h = hashlib.sha1(ident.encode()).hexdigest()[:12]
-    return f"{target.model_type}-{h}-{platform.machine()}-{device}"
+    world = getattr(target, "world", None)
+    shards = f"-tp{world.size}" if world is not None else ""
+    return f"{target.model_type}-{h}-{platform.machine()}-{device}{shards}"
 
 
 def choose_budget(

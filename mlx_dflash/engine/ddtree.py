@@ -107,7 +107,10 @@ class DDTree:
         `room` (the tokens max_tokens still allows after the bonus; default n)."""
         session, target, drafter = self.session, self.session.target, self.drafter
         room = n if room is None else room
-        if self.pacer is not None and not self.pacer.draft_now():
+        draft_now = self.pacer is None or self.pacer.draft_now()
+        if session.world is not None:  # the pacer reads this rank's clock: rank 0 decides
+            draft_now = bool(session.agree([draft_now])[0])
+        if not draft_now:
             return self._plain(last, rng)
         start = len(session.tokens)
         t0 = time.perf_counter()
@@ -116,6 +119,8 @@ class DDTree:
         n_drafted = len(tree.tokens)
         chains = self._lookup_chains(tree, last, room) if self.lookup is not None else []
         tree = graft(tree, chains)
+        if session.world is not None:
+            tree, n_drafted = _agree_tree(session, tree, n_drafted)
         if len(tree.tokens) == 1:  # nothing to verify: a plain step
             return self._plain(last, rng)
         self.budgets.append(len(tree.tokens) - 1)
@@ -131,6 +136,8 @@ class DDTree:
         mx.eval(logits if taps is None else (logits, taps))
         t2 = time.perf_counter()
         path, bonus = walk(tree, logits, self.sampling, rng)
+        if session.world is not None:
+            *path, bonus = session.world.agree_seq([*path, bonus]).tolist()
         for c in session.cache:
             c.compact(start, path)
         session.tokens.extend(int(tree.tokens[i]) for i in path)
@@ -161,3 +168,16 @@ class DDTree:
             t_other=t3 - t2,
             t_build=self.t_build,
         )
+
+
+def _agree_tree(session, tree: Tree, n_drafted: int) -> tuple[Tree, int]:
+    """Rank 0's tree on every rank (its size came from rank 0's clock under --budget auto)."""
+    vals = session.world.agree_seq([n_drafted, *tree.tokens.tolist(), *tree.parents.tolist()])
+    n = (len(vals) - 1) // 2
+    tokens, parents = vals[1 : 1 + n], vals[1 + n :]
+    if np.array_equal(tokens, tree.tokens) and np.array_equal(parents, tree.parents):
+        return tree, int(vals[0])
+    depths = np.zeros(n, dtype=np.int64)
+    for i in range(1, n):
+        depths[i] = depths[parents[i]] + 1
+    return Tree(tokens, parents, depths, np.zeros(n)), int(vals[0])

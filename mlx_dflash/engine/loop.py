@@ -37,7 +37,7 @@ def generate_rounds(session: Session, prompt: list[int], cfg: GenerationConfig) 
         yield first
         return
     t0 = time.perf_counter()
-    last = _pick(logits, cfg.sampling, rng)
+    last = session.agree([_pick(logits, cfg.sampling, rng)])[0]
     first.tokens, first.accepted, first.t_other = [last], 1, time.perf_counter() - t0
     emitted = 1
     if last in cfg.stop_ids:

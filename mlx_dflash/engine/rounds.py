@@ -78,6 +78,8 @@ def dflash_round(session: Session, last: int, n: int, sampling, rng, profile=Fal
     tokens = mx.concatenate([mx.array([last], dtype=mx.int32), drafts])
     logits, taps = target.forward(tokens, session.cache, start)
     choices = mx.concatenate([drafts, mx.argmax(logits, axis=-1).astype(mx.int32)])
+    if session.world is not None:  # every rank follows rank 0's drafts and choices
+        choices = session.world.agree_device(choices)
     t_build += time.perf_counter() - t1
     host = to_host(choices)  # the round's one sync
     t2 = time.perf_counter()
@@ -105,13 +107,13 @@ def _sampled_round(session: Session, last: int, n: int, sampling, rng) -> Round:
     start = len(session.tokens)
     t0 = time.perf_counter()
     q = token_probs(drafter.propose(last, start, n), sampling)
-    drafts = np.array([draw(row, rng) for row in q], dtype=np.int64)
+    drafts = np.array(session.agree([draw(row, rng) for row in q]), dtype=np.int64)
     t1 = time.perf_counter()
     tokens = mx.array(np.concatenate([[last], drafts]).astype(np.int32))
     logits, taps = target.forward(tokens, session.cache, start)
     p = token_probs(logits, sampling)
     t2 = time.perf_counter()
-    a, bonus = accept_speculative(drafts, p, q, rng)
+    a, bonus = session.agree(accept_speculative(drafts, p, q, rng))
     for c in session.cache:
         c.trim(start + a + 1)
     session.tokens.extend([last, *drafts[:a].tolist()])
@@ -132,6 +134,6 @@ def plain_round(session: Session, last: int, sampling, rng, feed_drafter: bool =
     )
     if feed_drafter:
         session.drafter.add_context(taps)
-    tok = _pick(logits, sampling, rng)
+    tok = session.agree([_pick(logits, sampling, rng)])[0]
     session.tokens.append(last)
     return Round([tok], 1, 0, t_verify=time.perf_counter() - t0)

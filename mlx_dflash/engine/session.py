@@ -86,8 +86,17 @@ class Session:
     def __init__(self, target, drafter=None):
         self.target = target
         self.drafter = drafter
+        # A target sharded over several processes (mlx_dflash/distributed.py): host decisions
+        # are then taken on rank 0 and broadcast (`agree`).
+        self.world = getattr(target, "world", None)
         self.cache = target.make_cache()
         self.tokens: list[int] = []  # tokens whose K/V sit in the target cache
+
+    def agree(self, values) -> list[int]:
+        """Rank 0's ints on every rank of a sharded target; the values themselves otherwise."""
+        if self.world is None:
+            return [int(v) for v in values]
+        return [int(v) for v in self.world.agree(values)]
 
     def rewind(self, prompt: list[int]) -> list[int]:
         """Keep the longest cached prefix of `prompt` (at least one token left to run)."""

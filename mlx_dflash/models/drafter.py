@@ -145,10 +145,15 @@ class DrafterRunner:
         self.target = target
         self.block_size = self.cfg.block_size
         self.cache = [KVCache() for _ in drafter.layers]
-        self.vocab = self.rows = None
+        self.vocab = self.rows = self.outside = None
         if drafter.draft_vocab is not None:
             self.vocab = mx.array(drafter.draft_vocab.astype(np.int32))
-            self.rows = target.lm_head_rows(self.vocab)  # gathered once: (S, H)
+            if target.vocab_sharding is None:
+                self.rows = target.lm_head_rows(self.vocab)  # gathered once: (S, H)
+            else:  # each rank holds a slice of the head: full logits, then the vocabulary
+                outside = np.ones(target.vocab_size, dtype=bool)
+                outside[drafter.draft_vocab] = False
+                self.outside = mx.array(outside)
 
     @property
     def context_len(self) -> int:
@@ -172,6 +177,8 @@ class DrafterRunner:
         h = self.drafter(emb, self.cache, start)[1 : n + 1]
         if self.vocab is None:
             return drafter_logits(cfg, self.target, h)
+        if self.outside is not None:
+            return mx.where(self.outside, -mx.inf, drafter_logits(cfg, self.target, h))
         sub = drafter_logits(cfg, self.target, h, rows=self.rows)
         full = mx.full((n, self.target.vocab_size), -mx.inf, dtype=sub.dtype)
         full[:, self.vocab] = sub  # tokens outside the draft vocabulary are never proposed

@@ -181,7 +181,7 @@ def gdn_forward(layer, x: mx.array, cache: RecurrentCache, start: int, parents, 
         cache.state = state
         cache.offset = start + T
         cache.pending = None
-        return layer.out_proj(layer.norm(out, z).reshape(B, T, -1))
+        return _reduced(layer, layer.out_proj(layer.norm(out, z).reshape(B, T, -1)))
     chain = parents is None
     parents = np.arange(-1, T - 1) if chain else np.asarray(parents)
     rows = mx.concatenate([conv0[0], qkv[0]])  # (K-1+T, conv_dim)
@@ -203,4 +203,11 @@ def gdn_forward(layer, x: mx.array, cache: RecurrentCache, start: int, parents, 
     )
     cache.offset = start + T
     out = layer.norm(y[None].astype(x.dtype), z)
-    return layer.out_proj(out.reshape(B, T, -1))
+    return _reduced(layer, layer.out_proj(out.reshape(B, T, -1)))
+
+
+def _reduced(layer, out: mx.array) -> mx.array:
+    """Sum the heads' shares over the ranks when mlx-lm sharded this layer (Qwen3.5's shard
+    splits the heads and leaves the all-reduce to the layer's own call, which we replace)."""
+    group = getattr(layer, "sharding_group", None)
+    return out if group is None else mx.distributed.all_sum(out, group=group)

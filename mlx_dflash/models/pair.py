@@ -10,16 +10,22 @@ from .target import Target, load_target
 
 
 def load_pair(
-    model: str | None = None, drafter: str | None = None, mode: str = "dflash"
+    model: str | None = None, drafter: str | None = None, mode: str = "dflash", world=None
 ) -> tuple[Target, DrafterRunner | None]:
     """Target and drafter from folders or hub ids (the embedded default pair when neither is
     given); a known target finds its published drafter without `drafter`. Modes that need no
-    drafter ("ar", "lookup") load the target alone unless a drafter is named."""
+    drafter ("ar", "lookup") load the target alone unless a drafter is named.
+
+    `world` (mlx_dflash.distributed): load the target lazily and keep this rank's shard."""
     if model is None:
         model = str(DEFAULT_TARGET)
         drafter = drafter or str(DEFAULT_DRAFTER)
     target_path = resolve_model(model, "target")
-    target = load_target(target_path)
+    target = load_target(target_path, lazy=world is not None)
+    if world is not None:
+        from ..distributed import shard
+
+        shard(target, world)
     if mode in ("ar", "lookup") and drafter is None:
         return target, None
     if drafter is None:

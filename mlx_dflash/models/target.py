@@ -90,6 +90,7 @@ class Target:
         self.inner = model.model
         self.layers = self.inner.layers
         self.num_layers = len(self.layers)
+        self.world = None  # set by mlx_dflash.distributed.shard
         self.hidden_size = int(self.text_config["hidden_size"])
         self.vocab_size = int(self.text_config["vocab_size"])
         self.set_taps(tap_ids)
@@ -114,11 +115,22 @@ class Target:
         owner = getattr(self.model, "language_model", self.model)
         return getattr(owner, "lm_head", None)
 
+    @property
+    def vocab_sharding(self):
+        """The group mlx-lm split the LM head's vocabulary over (Qwen3.5's shard), or None."""
+        owner = getattr(self.model, "language_model", self.model)
+        return getattr(owner, "sharding_group", None)
+
     def lm_head(self, h: mx.array) -> mx.array:
         head = self._untied_head()
-        if head is not None:
-            return head(h)
-        return self.inner.embed_tokens.as_linear(h)
+        if head is None:
+            return self.inner.embed_tokens.as_linear(h)
+        group = self.vocab_sharding
+        if group is not None:
+            from mlx_lm.models.base import gather_last_axis
+
+            return gather_last_axis(head(h), group)
+        return head(h)
 
     def lm_head_rows(self, ids: mx.array) -> mx.array:
         """The LM head's rows for `ids` (len(ids), H), dequantized: logits over a sub-vocabulary."""
@@ -188,7 +200,7 @@ def _is_linear(layer) -> bool:
     return bool(getattr(layer, "is_linear", False))
 
 
-def load_target(path: str | Path) -> Target:
+def load_target(path: str | Path, lazy: bool = False) -> Target:
     """Load a target folder with mlx-lm (any published layout, quantized or not) and wrap it.
 
     The architecture is checked from config.json before any weight is read, so an unsupported
@@ -205,7 +217,7 @@ def load_target(path: str | Path) -> Target:
     except DFlashError as e:
         raise DFlashError(f"{path}: {e}") from None
     try:
-        model, config = load_model(path, get_model_classes=model_classes)
+        model, config = load_model(path, lazy=lazy, get_model_classes=model_classes)
         tokenizer = load_tokenizer(path, eos_token_ids=text_eos(config))
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
         msg = " ".join(str(e).split())

@@ -1,0 +1,149 @@
+"""Targets sharded over several processes (several Macs) with MLX's own `mx.distributed`.
+
+Launched by `mlx.launch` (ring backend over TCP or Thunderbolt; JACCL or MPI where MLX has
+them), every rank loads the target lazily, keeps its tensor-parallel shard through mlx-lm's own
+`model.shard(group)`, and runs the same engine loop: the sharded projections all-reduce inside
+each forward, so hidden states, taps and logits are the same on every rank, and the small
+drafter simply runs replicated (cheaper than gathering taps to one rank and sending drafts back).
+
+What must never differ between ranks is a decision taken on the host: drafts, the tree, how many
+drafts are accepted, sampling draws, `--budget auto`'s tree size and its pacer (which read the
+wall clock). Each is taken on rank 0 and broadcast (`World.agree`); no rank decides from its own
+clock or random state. Only rank 0 prints.
+
+A rank that dies: `mlx.launch` stops the others (SIGTERM), which print one sentence and exit;
+a rank that stops answering without dying trips the watchdog (no progress for `timeout`
+seconds) with the same kind of sentence, instead of a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import DFlashError
+
+LAUNCH_ENV = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MLX_JACCL_COORDINATOR")
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass
+class World:
+    group: object
+    rank: int
+    size: int
+    timeout: float = DEFAULT_TIMEOUT_S
+    collectives: int = 0  # host decisions broadcast
+    bytes_agreed: int = 0
+    t_agree: float = 0.0
+    _beat: float = field(default_factory=time.monotonic)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def agree(self, values) -> np.ndarray:
+        """Rank 0's values (an int array of the same shape everywhere), on every rank."""
+        t0 = time.perf_counter()
+        a = np.asarray(values, dtype=np.int64)
+        x = mx.array(a.astype(np.int32) if self.is_main else np.zeros(a.shape, np.int32))
+        out = np.array(mx.distributed.all_sum(x, group=self.group)).astype(np.int64)
+        self.collectives += 1
+        self.bytes_agreed += 4 * a.size
+        self.t_agree += time.perf_counter() - t0
+        self.beat()
+        return out
+
+    def all_true(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank (a choice all ranks must make alike)."""
+        n = mx.distributed.all_sum(mx.array([int(bool(flag))], dtype=mx.int32), group=self.group)
+        return int(n.item()) == self.size
+
+    def agree_seq(self, values) -> np.ndarray:
+        """Rank 0's variable-length int sequence, on every rank (its length first)."""
+        n = int(self.agree([len(values)])[0])
+        mine = np.asarray(values, dtype=np.int64)
+        return self.agree(mine if self.is_main else np.zeros(n, np.int64))
+
+    def agree_device(self, x: mx.array) -> mx.array:
+        """Rank 0's copy of a device array (lazy: it joins the graph, no extra sync)."""
+        self.collectives += 1
+        self.bytes_agreed += x.nbytes
+        # x * 0, not zeros_like(x): the zeros must depend on x, so that every rank's graph
+        # runs the forward's own all-reduces before this one, in the same order.
+        mine = x if self.is_main else x * 0
+        return mx.distributed.all_sum(mine, group=self.group)
+
+    def beat(self) -> None:
+        self._beat = time.monotonic()
+
+
+def launched() -> bool:
+    return any(os.environ.get(k) is not None for k in LAUNCH_ENV)
+
+
+def init(timeout: float | None = None) -> World | None:
+    """The process group when started by mlx.launch (or mpirun) with more than one rank."""
+    if not launched():
+        return None
+    group = mx.distributed.init()
+    if group.size() < 2:
+        return None
+    env = os.environ.get("DFLASH_MLX_DIST_TIMEOUT")
+    world = World(group, group.rank(), group.size(), float(timeout or env or DEFAULT_TIMEOUT_S))
+    _install_failure_handling(world)
+    return world
+
+
+def _die(world: World, why: str) -> None:
+    print(f"error: rank {world.rank} of {world.size}: {why}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def _install_failure_handling(world: World) -> None:
+    def on_term(signum, frame):
+        _die(world, "another rank stopped, so this one stops too (see the launcher's log).")
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_term)
+
+    def watchdog():
+        while True:
+            time.sleep(min(5.0, world.timeout / 4))
+            if time.monotonic() - world._beat > world.timeout:
+                _die(
+                    world,
+                    f"another rank stopped answering: no progress for {world.timeout:.0f} s "
+                    "(DFLASH_MLX_DIST_TIMEOUT sets how long to wait, e.g. for long prefills).",
+                )
+                return
+
+    threading.Thread(target=watchdog, name="dflash-watchdog", daemon=True).start()
+
+
+def shard(target, world: World) -> None:
+    """Keep this rank's tensor-parallel shard of the target (mlx-lm's `model.shard`)."""
+    model = target.model
+    if not hasattr(model, "shard"):
+        raise DFlashError(
+            f"mlx-lm cannot shard '{target.model_type}' targets with tensor parallelism; "
+            "run it on one machine."
+        )
+    tc = target.text_config
+    heads = int(tc.get("num_attention_heads") or 0)
+    if heads % world.size:
+        raise DFlashError(
+            f"{world.size} ranks do not divide the target's {heads} attention heads; "
+            "use a rank count that does."
+        )
+    model.shard(world.group)
+    mx.eval(model.parameters())
+    target.world = world
+    world.beat()
