@@ -102,6 +102,15 @@ def init(timeout: float | None = None) -> World | None:
     return world
 
 
+def refuse(command: str) -> None:
+    """Commands that do not run sharded yet say so under mlx.launch instead of hanging."""
+    if launched() and mx.distributed.init().size() > 1:
+        raise DFlashError(
+            f"'{command}' does not run on a sharded target yet: use 'generate' under mlx.launch, "
+            f"or run '{command}' on one machine."
+        )
+
+
 def _die(world: World, why: str) -> None:
     print(f"error: rank {world.rank} of {world.size}: {why}", file=sys.stderr, flush=True)
     os._exit(1)

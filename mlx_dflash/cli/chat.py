@@ -155,6 +155,9 @@ def chat_command(
     thinking: bool = opts.THINKING,
 ) -> None:
     """Chat with a model in the terminal (/help for commands); scriptable through stdin."""
+    from .. import distributed
+
+    distributed.refuse("chat")
     cfg = opts.generation_config(
         max_tokens, temp, top_p, top_k, seed, mode, block_size, budget, lookup
     )

@@ -50,8 +50,10 @@ def serve_command(
     verbose: bool = typer.Option(False, "--verbose", help="Log every request."),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, messages)."""
+    from .. import distributed
     from ..server.http import App, ServerConfig, make_server
 
+    distributed.refuse("serve")
     cfg = opts.generation_config(
         max_tokens, temp, top_p, top_k, None, mode, block_size, budget, lookup
     )
