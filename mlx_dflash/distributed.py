@@ -18,6 +18,7 @@ seconds) with the same kind of sentence, instead of a hang.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -40,6 +41,7 @@ class World:
     rank: int
     size: int
     timeout: float = DEFAULT_TIMEOUT_S
+    waiting: bool = False  # in `idle()`: the watchdog lets it be
     collectives: int = 0  # host decisions broadcast
     bytes_agreed: int = 0
     t_agree: float = 0.0
@@ -84,6 +86,22 @@ class World:
     def beat(self) -> None:
         self._beat = time.monotonic()
 
+    @contextlib.contextmanager
+    def idle(self):
+        """Waiting for a person (chat input): the watchdog does not count this time."""
+        self.waiting = True
+        try:
+            yield
+        finally:
+            self.waiting = False
+            self.beat()
+
+    def send_text(self, text: str | None) -> str | None:
+        """Rank 0's line of text (None: end of input) on every rank."""
+        data = [0] if text is None else [1, *text.encode()]
+        vals = self.agree_seq(data if self.is_main else [])
+        return None if not vals[0] else bytes(int(b) for b in vals[1:]).decode()
+
 
 def launched() -> bool:
     return any(os.environ.get(k) is not None for k in LAUNCH_ENV)
@@ -102,15 +120,6 @@ def init(timeout: float | None = None) -> World | None:
     return world
 
 
-def refuse(command: str) -> None:
-    """Commands that do not run sharded yet say so under mlx.launch instead of hanging."""
-    if launched() and mx.distributed.init().size() > 1:
-        raise DFlashError(
-            f"'{command}' does not run on a sharded target yet: use 'generate' under mlx.launch, "
-            f"or run '{command}' on one machine."
-        )
-
-
 def _die(world: World, why: str) -> None:
     print(f"error: rank {world.rank} of {world.size}: {why}", file=sys.stderr, flush=True)
     os._exit(1)
@@ -126,7 +135,7 @@ def _install_failure_handling(world: World) -> None:
     def watchdog():
         while True:
             time.sleep(min(5.0, world.timeout / 4))
-            if time.monotonic() - world._beat > world.timeout:
+            if not world.waiting and time.monotonic() - world._beat > world.timeout:
                 _die(
                     world,
                     f"another rank stopped answering: no progress for {world.timeout:.0f} s "

@@ -6,6 +6,7 @@ others with one sentence."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -50,7 +51,7 @@ def kimi_folder(path: Path) -> Path:
         if router_margin(t, PROMPT + mlx_lm_greedy(t, PROMPT, N), len(PROMPT)) > 1e-2:
             break
     save_model(path, model)
-    save_config(cfg, path / "config.json")
+    save_config(copy.deepcopy(cfg), path / "config.json")  # save_config edits its argument
     write_tiny_tokenizer(path, 256)
     return path
 
@@ -146,3 +147,74 @@ def test_watchdog_ends_a_hang(monkeypatch):
     while not died and time.time() < deadline:
         time.sleep(0.05)
     assert died == [1]  # once: the watchdog stops after firing
+
+
+def test_chat_runs_sharded_with_rank_0_doing_the_io(tmp_path):
+    """Scripted chat under mlx.launch: rank 0 reads the lines and prints; the answers equal a
+    one-process chat's, and commands reach every rank (the /reset turn answers afresh)."""
+    folder = write_published(tmp_path / "qwen3", "Qwen/Qwen3-8B", "hf")
+    script = "Hello there\nTell me more\n/reset\nHello there\n/exit\n"
+    exe = str(Path(sys.executable).parent / "dflash-mlx")
+    args = ["chat", "-m", str(folder), "--mode", "ar", "-n", "8"]
+    one = subprocess.run([exe, *args], input=script, capture_output=True, text=True, timeout=120)
+    assert one.returncode == 0, one.stderr
+    cmd = [str(LAUNCH), "--backend", "ring", "-n", "2", "--", exe, *args]
+    two = subprocess.run(cmd, input=script, capture_output=True, text=True, timeout=240)
+    answers = [line for line in one.stdout.splitlines() if line.strip()]
+    assert [line for line in two.stdout.splitlines() if line.strip()] == answers
+    assert answers[0] == answers[-1]  # after /reset, the same first turn again
+
+
+def test_serve_runs_sharded(tmp_path, run_cli):
+    """serve under mlx.launch: rank 0 answers HTTP, the other rank follows every job; answers
+    equal one process's generate, streamed or not, and it shuts down on Ctrl-C."""
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    openai = pytest.importorskip("openai")
+    folder = write_published(tmp_path / "qwen3", "Qwen/Qwen3-8B", "hf")
+    code, out, err = run_cli(
+        "generate", "-m", str(folder), "--mode", "ar", "-p", "Hello", "-n", "10", "--json"
+    )
+    assert code == 0, err
+    want = json.loads(out)["text"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = str(Path(sys.executable).parent / "dflash-mlx")
+    cmd = [str(LAUNCH), "--backend", "ring", "-n", "2", "--", exe, "serve", "-m", str(folder)]
+    proc = subprocess.Popen(
+        [*cmd, "--mode", "ar", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        msgs = [{"role": "user", "content": "Hello"}]
+        for _ in range(2):  # the second one reuses both ranks' cached prefix
+            r = client.chat.completions.create(model="qwen3", messages=msgs, max_tokens=10)
+            assert r.choices[0].message.content == want
+        parts = client.chat.completions.create(
+            model="qwen3", messages=msgs, max_tokens=10, stream=True
+        )
+        assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == want
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            log, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            log, _ = proc.communicate()
+    # (mlx.launch itself prints a KeyboardInterrupt traceback on Ctrl-C; none may be ours.)
+    assert "mlx_dflash" not in log, log

@@ -301,7 +301,7 @@ def test_kimi_k25_folder_loads_through_mlx_lm(tmp_path):
     cfg = CONFIGS["kimi_k25"]
     model = build(cfg)
     save_model(tmp_path, model)
-    save_config(cfg, tmp_path / "config.json")
+    save_config(copy.deepcopy(cfg), tmp_path / "config.json")  # save_config edits its argument
     write_tiny_tokenizer(tmp_path, 256)
     target = load_target(tmp_path)
     assert target.model_type == "kimi_k25" and target.num_layers == 4

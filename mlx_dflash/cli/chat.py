@@ -107,6 +107,27 @@ class RichIO:
         self.console.print(f"[yellow]{text}[/]")
 
 
+class SharedIO:
+    """A sharded target's chat (mlx.launch): rank 0 reads and writes, every rank gets its
+    lines and follows its Ctrl-C, so all ranks run the same turns."""
+
+    def __init__(self, io, world):
+        self.io, self.world = io, world
+
+    def read(self) -> str | None:
+        with self.world.idle():
+            line = self.io.read() if self.world.is_main else None
+            return self.world.send_text(line)
+
+    def stopped(self, local: Callable[[], bool]) -> Callable[[], bool]:
+        return lambda: bool(self.world.agree([local()])[0])
+
+    def __getattr__(self, name):  # write, end_answer, info, notice: rank 0 only
+        if self.world.is_main:
+            return getattr(self.io, name)
+        return lambda *a, **k: None
+
+
 def run_chat(chat: Conversation, io) -> None:
     """The read-answer loop shared by terminals and scripts."""
     while True:
@@ -134,6 +155,8 @@ def run_chat(chat: Conversation, io) -> None:
                 io.info(f"Unknown command {cmd}; /help lists them.")
             continue
         with stop_on_ctrl_c() as stopped:
+            if isinstance(io, SharedIO):
+                stopped = io.stopped(stopped)
             _, stats = chat.turn(text, io.write, stopped)
         io.end_answer(chat.turn_line(stats))
 
@@ -157,15 +180,17 @@ def chat_command(
     """Chat with a model in the terminal (/help for commands); scriptable through stdin."""
     from .. import distributed
 
-    distributed.refuse("chat")
     cfg = opts.generation_config(
         max_tokens, temp, top_p, top_k, seed, mode, block_size, budget, lookup
     )
-    target, runner = load_pair(model, drafter, mode)
+    world = distributed.init()  # several ranks under mlx.launch: a sharded target
+    target, runner = load_pair(model, drafter, mode, world)
     cfg = dataclasses.replace(cfg, stop_ids=stop_ids(target.tokenizer))
     chat = Conversation(target, runner, cfg, system, chat_template, thinking)
     io = RichIO() if sys.stdin.isatty() and sys.stdout.isatty() else PlainIO()
-    if isinstance(io, RichIO):
+    if world is not None:
+        io = SharedIO(io, world)
+    if isinstance(getattr(io, "io", io), RichIO):
         io.notice(f"dflash-mlx chat ({mode}) - /help for commands, /exit to quit")
     if not chat.templated:
         io.notice("This model has no chat template: turns are joined as plain text.")

@@ -53,11 +53,11 @@ def serve_command(
     from .. import distributed
     from ..server.http import App, ServerConfig, make_server
 
-    distributed.refuse("serve")
     cfg = opts.generation_config(
         max_tokens, temp, top_p, top_k, None, mode, block_size, budget, lookup
     )
-    target, runner = load_pair(model, drafter, mode)
+    world = distributed.init()  # several ranks under mlx.launch: rank 0 serves HTTP
+    target, runner = load_pair(model, drafter, mode, world)
     served = name or (Path(model).name if model else "stories260K")
     aliases = tuple(a for a in (model, Path(model).name if model else None) if a)
     config = ServerConfig(
@@ -69,7 +69,10 @@ def serve_command(
         cache_bytes=cache_mb * 2**20,
         cache_sessions=cache_sessions,
     )
-    app = App(target, runner if mode in ("dflash", "ddtree") else None, cfg, config)
+    app = App(target, runner if mode in ("dflash", "ddtree") else None, cfg, config, world)
+    if world is not None and not world.is_main:
+        app.worker.follow(app.base)
+        return
     try:
         server = make_server(app, host, port, verbose)
     except OSError as e:

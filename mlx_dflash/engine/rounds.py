@@ -45,6 +45,8 @@ def prefill(session: Session, prompt: list[int], cfg: GenerationConfig) -> tuple
             drafter.add_context(taps)
         _sync((logits, [c.state_arrays for c in session.cache]))
         session.tokens.extend(chunk)
+        if session.world is not None:
+            session.world.beat()  # a long prefill is progress too (the watchdog's view)
     for c in session.cache:
         c.snapshot()
     dt = time.perf_counter() - t0

@@ -45,7 +45,7 @@ class ServerConfig:
 class App:
     """What the handlers share: the loaded pair, the server's defaults, the worker."""
 
-    def __init__(self, target, runner, base: GenerationConfig, config: ServerConfig):
+    def __init__(self, target, runner, base: GenerationConfig, config: ServerConfig, world=None):
         self.target, self.tokenizer, self.config = target, target.tokenizer, config
         self.base = GenerationConfig(
             **{**vars(base), "stop_ids": stop_ids(target.tokenizer), "max_tokens": 1}
@@ -53,7 +53,7 @@ class App:
         self.mode = base.mode
         pool = SessionPool(target, runner, config.cache_bytes, config.cache_sessions)
         self.pool = pool
-        self.worker = Worker(target, runner, base.mode, pool)
+        self.worker = Worker(target, runner, base.mode, pool, world)
         self.context = int(target.text_config.get("max_position_embeddings") or 0) or None
         self.templated = has_template(self.tokenizer)
         self.tags = thinking_tags(self.tokenizer) if self.templated else None

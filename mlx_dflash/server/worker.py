@@ -9,12 +9,13 @@ threads: only this one touches them.
 from __future__ import annotations
 
 import dataclasses
+import json
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
 
-from ..engine import GenerationConfig, Stats, stream_generate
+from ..engine import GenerationConfig, SamplingParams, Stats, stream_generate
 from ..errors import DFlashError
 from .sessions import SessionPool
 from .text import StopStrings, ThinkingSplitter
@@ -46,14 +47,55 @@ class Done:
 
 
 class Worker:
-    def __init__(self, target, runner, mode: str, pool: SessionPool):
+    """On a sharded target (`world`), rank 0's worker sends each job to the other ranks, whose
+    `follow()` runs the same generations in the same order (their text goes nowhere)."""
+
+    def __init__(self, target, runner, mode: str, pool: SessionPool, world=None):
         self.target, self.runner, self.mode, self.pool = target, runner, mode, pool
+        self.world = world
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.busy = False
         self.served = 0
         self.finishes: list[str] = []  # how each job ended, in order (health, tests)
-        self.thread = threading.Thread(target=self._loop, name="dflash-worker", daemon=True)
-        self.thread.start()
+        self.thread = None
+        if world is None or world.is_main:
+            self.thread = threading.Thread(target=self._loop, name="dflash-worker", daemon=True)
+            self.thread.start()
+
+    def follow(self, base: GenerationConfig) -> None:
+        """A follower rank: run rank 0's jobs until it stops."""
+        while True:
+            with self.world.idle():
+                spec = self.world.send_text(None)
+            if spec is None:
+                return
+            d = json.loads(spec)
+            sampling = SamplingParams(d["temperature"], d["top_p"], d["top_k"])
+            cfg = job_config(base, max_tokens=d["max_tokens"], sampling=sampling, seed=d["seed"])
+            job = Job(d["prompt"], cfg, d["stop"], d["thinking"], tuple(d["tags"]))
+            try:
+                self._run(job)
+            except Exception:  # rank 0 reports errors; a follower just moves on
+                pass
+
+    def _send(self, job: Job | None) -> None:
+        """Rank 0: the next job (None: shutting down) to the follower ranks."""
+        if job is None:
+            self.world.send_text(None)
+            return
+        s = job.cfg.sampling
+        spec = {
+            "prompt": job.prompt,
+            "max_tokens": job.cfg.max_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k,
+            "seed": job.cfg.seed,
+            "stop": job.stop,
+            "thinking": job.thinking,
+            "tags": list(job.tags),
+        }
+        self.world.send_text(json.dumps(spec))
 
     def submit(self, job: Job) -> Job:
         self.jobs.put(job)
@@ -64,16 +106,27 @@ class Worker:
         return self.jobs.qsize()
 
     def stop(self) -> None:
-        self.jobs.put(None)
-        self.thread.join(timeout=10)
+        if self.thread is not None:
+            self.jobs.put(None)
+            self.thread.join(timeout=10)
+
+    def _next(self) -> Job | None:
+        if self.world is None:
+            return self.jobs.get()
+        with self.world.idle():
+            job = self.jobs.get()
+        while job is not None and job.cancelled.is_set():
+            job = self.jobs.get()
+        self._send(job)
+        return job
 
     def _loop(self) -> None:
         while True:
-            job = self.jobs.get()
+            job = self._next()
             if job is None:
                 return
-            if job.cancelled.is_set():
-                continue
+            if self.world is None and job.cancelled.is_set():
+                continue  # (sharded: the followers have it already; it stops in round one)
             self.busy = True
             try:
                 self._run(job)
@@ -107,7 +160,10 @@ class Worker:
                 if chunk.round.finished:
                     finish = chunk.round.finished
                     break
-                if job.cancelled.is_set():
+                cancelled = job.cancelled.is_set()
+                if self.world is not None:  # rank 0's client decides for every rank
+                    cancelled = bool(self.world.agree([cancelled])[0])
+                if cancelled:
                     finish = "cancelled"
                     break
         finally:
