@@ -24,14 +24,16 @@ TRANSPORTS = {  # per-hop latency of one all-reduce step, and link bandwidth (by
     "ring over Thunderbolt 5 (TCP)": (40e-6, 8e9),
     "JACCL (RDMA over Thunderbolt 5)": (8e-6, 10e9),
 }
-DRAFTER_PARAMS = 1.0e9  # the z-lab drafter's size is an assumption (a few 7168-wide layers)
-BLOCK = 16
+DRAFTER_PARAMS = 3.5e9  # z-lab/Kimi-K2.5-DFlash: six 7168-wide layers, ~6.5 GiB in bf16
+BLOCK = 8  # z-lab/Kimi-K2.5-DFlash drafts blocks of 8
 
 
 def attention_params() -> tuple[float, float]:
     """(sharded, replicated) attention parameters per layer, as mlx-lm shards MLA: q_b, the
     latent up-projections and o_proj are split; q_a and kv_a stay whole on every rank."""
-    sharded = Q_LORA * HEADS * (NOPE + ROPE) + KV_LORA * HEADS * (NOPE + V_DIM) + HEADS * V_DIM * HIDDEN
+    sharded = (
+        Q_LORA * HEADS * (NOPE + ROPE) + KV_LORA * HEADS * (NOPE + V_DIM) + HEADS * V_DIM * HIDDEN
+    )
     replicated = HIDDEN * Q_LORA + HIDDEN * (KV_LORA + ROPE)
     return sharded, replicated
 
@@ -69,7 +71,9 @@ def draft_time() -> float:
 
 
 def main() -> None:
-    print("| Macs | transport | plain tok/s | 16-token verify / step | DFlash tok/s at tau 3 / 4 / 6 |")
+    print(
+        f"| Macs | transport | plain tok/s | {BLOCK}-token verify / step | DFlash tok/s at tau 3 / 4 / 6 |"
+    )
     print("|---|---|---|---|---|")
     for n in (2, 3, 4):
         for name, transport in TRANSPORTS.items():

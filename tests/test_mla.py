@@ -432,3 +432,94 @@ def test_kimi_k25_published_int4_layout_loads_and_runs_exactly(tmp_path, run_cli
     converted = load_target(tmp_path / "mlx")
     assert isinstance(converted.layers[-1].mlp.switch_mlp.up_proj, QuantizedSwitchLinear)
     assert mlx_lm_greedy(converted, PROMPT, N) == ref
+
+
+# ---- the published pair: z-lab/Kimi-K2.5-DFlash ------------------------------------------------
+
+# Its config.json as its public descriptions give it (DFlashDraftModel, Qwen3-style layers,
+# hidden 7168, 6 layers, block 8, mask token 163838, taps 1/12/24/35/47/58 of 61, yarn rope
+# with factor 64). Head counts and MLP width are not stated there: assumed like z-lab's other
+# exports. The pair check reads hidden size, vocabulary, taps and mask token, which are known.
+KIMI_DFLASH = {
+    "architectures": ["DFlashDraftModel"],
+    "model_type": "qwen3",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "block_size": 8,
+    "dflash_config": {"mask_token_id": 163838, "target_layer_ids": [1, 12, 24, 35, 47, 58]},
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "layer_types": ["full_attention"] * 6,
+    "max_position_embeddings": 262144,
+    "num_attention_heads": 64,
+    "num_hidden_layers": 6,
+    "num_key_value_heads": 8,
+    "num_target_layers": 61,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "rope_type": "yarn",
+        "factor": 64.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+    },
+    "rope_theta": 50000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 163840,
+}
+
+
+def test_published_kimi_pair_found_checked_and_exact(tmp_path, monkeypatch):
+    """`--model <folder named Kimi-K2.5>` finds z-lab/Kimi-K2.5-DFlash through the registry,
+    checks the pair from its config.json before any weight, and DFlash / DDTree with it (yarn
+    rope in the drafter too) equal mlx-lm on the published int4 layout."""
+    from factories import write_drafter_checkpoint
+    from published import _published_taps
+
+    from mlx_dflash import load_pair
+    from mlx_dflash.checkpoints import convert as convert_mod
+    from mlx_dflash.checkpoints.read import check_pair
+    from mlx_dflash.models.drafter_config import DrafterConfig
+
+    target_cfg = CONFIGS["kimi_k25"]
+    with pytest.raises(Exception, match="hidden size 7168 differs"):
+        check_pair(DrafterConfig.from_dict(KIMI_DFLASH), target_cfg)  # real drafter, tiny target
+    check_pair(DrafterConfig.from_dict(KIMI_DFLASH), KIMI_K25)  # the published pair fits
+
+    small = copy.deepcopy(KIMI_DFLASH)
+    text = target_cfg["text_config"]
+    small.update(
+        hidden_size=text["hidden_size"],
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        vocab_size=256,
+        layer_types=["full_attention"] * 2,
+        num_target_layers=text["num_hidden_layers"],
+    )
+    small["dflash_config"] = {
+        "mask_token_id": 255,
+        "target_layer_ids": _published_taps(text["num_hidden_layers"], 2),
+    }
+    hub = {"z-lab/Kimi-K2.5-DFlash": write_drafter_checkpoint(tmp_path / "zlab", small)}
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(convert_mod, "_snapshot_download", lambda r: str(hub[r]))
+    monkeypatch.setattr(convert_mod, "_download_config", lambda r: str(hub[r] / "config.json"))
+    for seed in range(20):
+        folder = write_kimi_hf_int4(tmp_path / f"s{seed}" / "Kimi-K2.5", seed)
+        target, runner = load_pair(str(folder))
+        ref = mlx_lm_greedy(target, PROMPT, N)
+        if router_margin(target, PROMPT + ref, len(PROMPT)) > 1e-3:
+            break
+    assert type(runner.drafter.layers[0].self_attn.rope).__name__ == "YarnRoPE"
+    assert runner.block_size == 8
+    for mode in ("dflash", "ddtree"):
+        out, _ = run(Session(target, runner), PROMPT, max_tokens=N, mode=mode, budget=4)
+        assert out == ref

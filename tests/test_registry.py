@@ -207,12 +207,12 @@ def test_config_checked_before_any_weight_download(cache, hub, tmp_path, monkeyp
 def test_registry_lists_only_pairs_that_run():
     from mlx_dflash.models.target import ARCHITECTURES
 
-    assert not any("kimi" in t.lower() for t in DRAFTERS)
-    with pytest.raises(DFlashError, match="Kimi-K2.5-DFlash.*not been checked.*--drafter"):
-        find_drafter("mlx-community/Kimi-K2.5-4bit")
-    # Every listed target's family runs (tests/test_published.py runs each one).
+    assert find_drafter("mlx-community/Kimi-K2.5-4bit") == "z-lab/Kimi-K2.5-DFlash"
+    # Every listed target's family runs (tests/test_published.py runs each one; the Kimi pair
+    # runs in tests/test_mla.py).
     from published import TARGETS
+    from test_mla import KIMI_K25
 
-    assert set(TARGETS) == set(DRAFTERS)
-    for cfg in TARGETS.values():
+    assert set(TARGETS) | {"moonshotai/Kimi-K2.5"} == set(DRAFTERS)
+    for cfg in [*TARGETS.values(), KIMI_K25]:
         assert cfg["model_type"] in ARCHITECTURES

@@ -23,15 +23,8 @@ DRAFTERS: dict[str, str] = {
     "Qwen/Qwen3.5-9B": "z-lab/Qwen3.5-9B-DFlash",
     "Qwen/Qwen3.5-27B": "z-lab/Qwen3.5-27B-DFlash",
     "Qwen/Qwen3.5-35B-A3B": "z-lab/Qwen3.5-35B-A3B-DFlash",
-}
-# Published pairs the engine cannot run yet, so no lookup offers them: (target, drafter, why).
-NOT_YET: dict[str, tuple[str, str]] = {
-    "moonshotai/Kimi-K2.5": (
-        "z-lab/Kimi-K2.5-DFlash",
-        "that drafter's published config has not been checked against the target here yet "
-        "(the target itself runs, sharded over several Macs with mlx.launch); pass it with "
-        "--drafter to try it",
-    ),
+    # About a trillion parameters: several Macs (mlx.launch, README "Several Macs").
+    "moonshotai/Kimi-K2.5": "z-lab/Kimi-K2.5-DFlash",
 }
 
 # Drafters trained here (`dflash-mlx train`, training/README.md), shipped in mlx_dflash/assets.
@@ -71,7 +64,4 @@ def find_drafter(model: str | Path) -> str:
     for target, drafter in known.items():
         if base_name(target) == name:
             return drafter
-    for target, (drafter, why) in NOT_YET.items():
-        if base_name(target) == name:
-            raise DFlashError(f"{target} has a published drafter ({drafter}), but {why}.")
     raise DFlashError(f"No published DFlash drafter is known for '{model}'; pass --drafter.")
