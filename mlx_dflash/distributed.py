@@ -63,6 +63,11 @@ class World:
         self.beat()
         return out
 
+    def all_min(self, value: int) -> int:
+        """The smallest of the ranks' values (how far every rank's caches can rewind)."""
+        every = mx.distributed.all_gather(mx.array([int(value)], dtype=mx.int32), group=self.group)
+        return int(mx.min(every).item())
+
     def all_true(self, flag: bool) -> bool:
         """Whether `flag` holds on every rank (a choice all ranks must make alike)."""
         n = mx.distributed.all_sum(mx.array([int(bool(flag))], dtype=mx.int32), group=self.group)
@@ -146,13 +151,26 @@ def _install_failure_handling(world: World) -> None:
     threading.Thread(target=watchdog, name="dflash-watchdog", daemon=True).start()
 
 
+def split(target, world: World) -> str:
+    """Split the target over the ranks: tensor parallelism where mlx-lm can shard it, else (or
+    with DFLASH_MLX_PARALLEL=pipeline) a pipeline of layer slices. Returns which."""
+    how = os.environ.get("DFLASH_MLX_PARALLEL", "auto")
+    if how not in ("auto", "tensor", "pipeline"):
+        raise DFlashError(f"DFLASH_MLX_PARALLEL is 'tensor', 'pipeline' or 'auto', not '{how}'.")
+    if how == "pipeline" or (how == "auto" and not hasattr(target.model, "shard")):
+        pipeline(target, world)
+        return "pipeline"
+    shard(target, world)
+    return "tensor"
+
+
 def shard(target, world: World) -> None:
     """Keep this rank's tensor-parallel shard of the target (mlx-lm's `model.shard`)."""
     model = target.model
     if not hasattr(model, "shard"):
         raise DFlashError(
             f"mlx-lm cannot shard '{target.model_type}' targets with tensor parallelism; "
-            "run it on one machine."
+            "use DFLASH_MLX_PARALLEL=pipeline."
         )
     tc = target.text_config
     heads = int(tc.get("num_attention_heads") or 0)
@@ -163,5 +181,110 @@ def shard(target, world: World) -> None:
         )
     model.shard(world.group)
     mx.eval(model.parameters())
+    target.world = world
+    world.beat()
+
+
+class NotHere:
+    """The cache of a layer another pipeline stage runs: never written, never in the way."""
+
+    offset = 0
+    state_arrays: list = []
+
+    def rewind_point(self, length: int) -> int:
+        return length
+
+    def snapshot(self) -> None:
+        pass
+
+    def trim(self, length: int) -> None:
+        pass
+
+    def compact(self, start: int, keep) -> None:
+        pass
+
+
+@dataclass
+class Stage:
+    """This rank's contiguous slice [lo, hi) of the target's layers (pipeline parallelism).
+
+    A forward receives the hidden states from the previous rank, runs its layers and sends
+    them on; the last rank's logits and every rank's tapped layers are then summed over the
+    ranks (zeros elsewhere), so that all ranks hold the same logits and taps, as with tensor
+    parallelism. Each all-reduce's input depends on what came before it on that rank, so every
+    rank issues send, receive and the two all-reduces in the same order. Callers evaluate the
+    logits or taps a forward returns: they carry the send (evaluating only the caches would
+    leave the next rank waiting).
+    """
+
+    world: World
+    lo: int
+    hi: int
+    n_layers: int
+
+    @property
+    def first(self) -> bool:
+        return self.lo == 0
+
+    @property
+    def last(self) -> bool:
+        return self.hi == self.n_layers
+
+    def make_cache(self, target) -> list:
+        from .models.cache import KVCache
+        from .models.gated_deltanet import RecurrentCache
+
+        return [
+            (RecurrentCache() if getattr(layer, "is_linear", False) else KVCache())
+            if self.lo <= i < self.hi
+            else NotHere()
+            for i, layer in enumerate(target.layers)
+        ]
+
+    def forward(self, target, tokens, cache, start, tree, logits, taps, rewindable):
+        g, rank = self.world.group, self.world.rank
+        T, H = tokens.shape[0], target.hidden_size
+        dtype = target.inner.embed_tokens.weight.dtype
+        if dtype not in (mx.float32, mx.float16, mx.bfloat16):
+            dtype = target.inner.norm.weight.dtype
+        if self.first:
+            h = target.embed(tokens[None])
+        else:
+            h = mx.distributed.recv((1, T, H), dtype, rank - 1, group=g)
+        tap_set = set(target.tap_ids) if taps else set()
+        h, tapped = target.run_layers(
+            h, range(self.lo, self.hi), cache, start, tree, tap_set, rewindable
+        )
+        if not self.last:
+            h = mx.distributed.send(h, rank + 1, group=g)
+        dep = h.reshape(-1)[:1].astype(mx.float32) * 0  # orders what follows after the send
+        out_logits = None
+        if logits != "none":
+            rows = T if logits == "all" else 1
+            if self.last:
+                mine = target.head(h, logits).astype(mx.float32)
+            else:
+                mine = mx.zeros((rows, target.vocab_size), mx.float32) + dep
+            out_logits = mx.distributed.all_sum(mine, group=g)
+            dep = out_logits[:1, :1] * 0
+        out_taps = None
+        if tap_set:
+            parts = [
+                tapped[t].astype(mx.float32) if t in tapped else mx.zeros((T, H), mx.float32)
+                for t in target.tap_ids
+            ]
+            out_taps = mx.distributed.all_sum(mx.concatenate(parts, axis=-1) + dep, group=g)
+            out_taps = out_taps.astype(dtype)
+        return out_logits, out_taps
+
+
+def pipeline(target, world: World) -> None:
+    """Keep a contiguous slice of the target's layers on this rank (pipeline parallelism):
+    for architectures mlx-lm cannot shard (Qwen3-Next), or set DFLASH_MLX_PARALLEL=pipeline."""
+    n = target.num_layers
+    if n < world.size:
+        raise DFlashError(f"{world.size} ranks cannot share a target of {n} layers.")
+    bounds = [round(i * n / world.size) for i in range(world.size + 1)]
+    target.stage = Stage(world, bounds[world.rank], bounds[world.rank + 1], n)
     target.world = world
     world.beat()

@@ -40,6 +40,7 @@ def main(spec_path: str) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
         results[name] = {"tokens": out, "taus": taus}
     results["_comm"] = {"broadcasts": world.collectives, "bytes": world.bytes_agreed}
+    results["_parallel"] = "pipeline" if target.stage is not None else "tensor"
     if world.is_main:
         Path(spec["out"]).write_text(json.dumps(results))
 

@@ -35,8 +35,9 @@ class VerifyProfile:
         """Time chain-shaped verifies of each size after `context` cached tokens."""
         cache = target.make_cache()
         ids = mx.array(np.arange(context) % max(2, target.vocab_size - 1), dtype=mx.int32)
-        target.forward(ids, cache, 0, logits="last", taps=False, rewindable=False)
-        mx.eval([c.state_arrays for c in cache])
+        logits, _ = target.forward(ids, cache, 0, logits="last", taps=False, rewindable=False)
+        # The logits too: on a pipeline stage they are what carries the send to the next rank.
+        mx.eval(logits, [c.state_arrays for c in cache])
         for c in cache:
             c.snapshot()  # recurrent layers (hybrid targets) rewind to here after each verify
         secs = []

@@ -109,6 +109,8 @@ class Session:
             n = min(n, self.drafter.context_len)
         # Recurrent layers only rewind to a few points (see models/gated_deltanet.py).
         n = min([n] + [c.rewind_point(n) for c in self.cache])
+        if self.world is not None:  # pipeline stages hold different layers: the furthest back
+            n = self.world.all_min(n)
         for c in self.cache:
             c.trim(n)
         if self.drafter is not None:

@@ -23,9 +23,9 @@ def load_pair(
     target_path = resolve_model(model, "target")
     target = load_target(target_path, lazy=world is not None)
     if world is not None:
-        from ..distributed import shard
+        from ..distributed import split
 
-        shard(target, world)
+        split(target, world)
     if mode in ("ar", "lookup") and drafter is None:
         return target, None
     if drafter is None:

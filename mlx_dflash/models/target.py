@@ -90,7 +90,8 @@ class Target:
         self.inner = model.model
         self.layers = self.inner.layers
         self.num_layers = len(self.layers)
-        self.world = None  # set by mlx_dflash.distributed.shard
+        self.world = None  # set by mlx_dflash.distributed (shard or pipeline)
+        self.stage = None  # a pipeline stage (mlx_dflash.distributed.Stage): my layers only
         self.hidden_size = int(self.text_config["hidden_size"])
         self.vocab_size = int(self.text_config["vocab_size"])
         self.set_taps(tap_ids)
@@ -105,6 +106,8 @@ class Target:
         self.tap_ids = tap_ids
 
     def make_cache(self) -> list:
+        if self.stage is not None:
+            return self.stage.make_cache(self)
         return [RecurrentCache() if _is_linear(layer) else KVCache() for layer in self.layers]
 
     def embed(self, tokens: mx.array) -> mx.array:
@@ -168,11 +171,41 @@ class Target:
         if parents is not None:
             positions = mx.array(start + tree_depths(parents), dtype=mx.int32)
             parents = mx.array(parents, dtype=mx.int32)
-        h = self.embed(tokens[None])
+        if self.stage is not None:
+            tree = (positions, parents, np_parents)
+            return self.stage.forward(self, tokens, cache, start, tree, logits, taps, rewindable)
+        h, tapped = self.run_layers(
+            self.embed(tokens[None]),
+            range(self.num_layers),
+            cache,
+            start,
+            (positions, parents, np_parents),
+            set(self.tap_ids) if taps else set(),
+            rewindable,
+        )
+        out_taps = None
+        if tapped:  # config order, not layer order
+            out_taps = mx.concatenate([tapped[t] for t in self.tap_ids], axis=-1)
+        return self.head(h, logits), out_taps
+
+    def head(self, h: mx.array, logits: str) -> mx.array | None:
+        """Final norm and LM head over all positions, the last one, or none."""
+        if logits == "none":
+            return None
+        if logits == "last":
+            h = h[:, -1:]
+        return self.lm_head(self.inner.norm(h))[0]
+
+    def run_layers(
+        self, h, layers, cache, start, tree, tap_set, rewindable
+    ) -> tuple[mx.array, dict[int, mx.array]]:
+        """Layers `layers` over hidden states h (1, T, H); the tapped ones' outputs by index.
+        `tree`: (positions, parents as mx, parents as numpy), all None for a causal block."""
+        positions, parents, np_parents = tree
         masks: dict = {}  # the tree's ancestor mask, built by the first attention layer
-        tapped = []
-        tap_set = set(self.tap_ids) if taps else set()
-        for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
+        tapped = {}
+        for i in layers:
+            layer, c = self.layers[i], cache[i]
             x = layer.input_layernorm(h)
             if _is_linear(layer):
                 r = gdn_forward(layer.linear_attn, x, c, start, np_parents, rewindable)
@@ -183,17 +216,8 @@ class Target:
             h = h + r
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if i in tap_set:
-                tapped.append(h[0])
-        out_taps = None
-        if tapped:
-            # Config order, not layer order.
-            order = {t: j for j, t in enumerate(sorted(tap_set))}
-            out_taps = mx.concatenate([tapped[order[t]] for t in self.tap_ids], axis=-1)
-        if logits == "none":
-            return None, out_taps
-        if logits == "last":
-            h = h[:, -1:]
-        return self.lm_head(self.inner.norm(h))[0], out_taps
+                tapped[i] = h[0]
+        return h, tapped
 
 
 def _is_linear(layer) -> bool:
