@@ -177,9 +177,13 @@ def test_quantized_target_exact(tmp_path, model_type):
         assert out == ref, mode
 
 
-def test_greedy_dflash_round_syncs_with_the_host_once(target, monkeypatch):
-    """Drafts stay on the device: a greedy round reads drafts and the target's choices back in
-    one transfer, with no other eval (issue 19: host syncs are the overhead of small models)."""
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_dflash_round_syncs_with_the_host_once(target, monkeypatch, temperature):
+    """Drafts stay on the device: a round reads drafts and the target's choices (greedy), or
+    drafts, accepted count and next token (sampled), back in one transfer, with no other eval
+    (issue 19: host syncs are the overhead of small models)."""
+    from mlx_dflash.engine import SamplingParams
+
     from mlx_dflash.engine import rounds
 
     calls = {"to_host": 0, "eval": 0}
@@ -197,13 +201,14 @@ def test_greedy_dflash_round_syncs_with_the_host_once(target, monkeypatch):
     ref = mlx_lm_greedy(target, PROMPT, 40)
     session = Session(target, random_drafter(target))
     out, draft_rounds = [], 0
-    gen = generate_rounds(session, PROMPT, GenerationConfig(max_tokens=40))
+    cfg = GenerationConfig(max_tokens=40, sampling=SamplingParams(temperature), seed=1)
+    gen = generate_rounds(session, PROMPT, cfg)
     out += next(gen).tokens  # prefill evaluates the prompt's caches: not a round
     monkeypatch.setattr(mx, "eval", counting_eval)
     monkeypatch.setattr(mx, "async_eval", counting_eval)
     for r in gen:
         out += r.tokens
         draft_rounds += r.drafted > 0
-    assert out == ref
-    assert draft_rounds > 5
+    assert out == ref or temperature > 0
+    assert draft_rounds > 5 and len(out) == 40
     assert calls == {"to_host": draft_rounds, "eval": 0}

@@ -16,7 +16,7 @@ from oracle import diversify
 from scipy.stats import chisquare
 
 from mlx_dflash.engine import GenerationConfig, Session, generate_rounds
-from mlx_dflash.engine.sampling import SamplingParams, accept_speculative, token_probs
+from mlx_dflash.engine.sampling import SamplingParams, speculative_on_device, token_probs
 from mlx_dflash.models.drafter import DrafterRunner, init_drafter
 from mlx_dflash.models.drafter_config import DrafterConfig
 from mlx_dflash.models.target import Target
@@ -40,16 +40,24 @@ def chi2_pvalue(samples: np.ndarray, expected_p: np.ndarray) -> float:
     return chisquare(obs_b, exp_b * obs_b.sum() / exp_b.sum()).pvalue
 
 
-def test_speculative_acceptance_rule_marginal():
+def test_speculative_acceptance_rule_marginals():
+    """The device-side rule: the first emitted token is distributed as p[0], and after a full
+    accept the bonus as p[n] (q has no row there)."""
     rng = np.random.default_rng(0)
-    p = rng.dirichlet(np.ones(V) * 0.5, size=3)
-    q = rng.dirichlet(np.ones(V) * 0.5, size=2)
-    firsts = []
-    for _ in range(20000):
+    p = rng.dirichlet(np.ones(V) * 0.5, size=3).astype(np.float32)
+    q = rng.dirichlet(np.ones(V) * 0.5, size=2).astype(np.float32)
+    pm, qm = mx.array(p), mx.array(q)
+    firsts, after_full = [], []
+    for i in range(6000):
         drafts = np.array([rng.choice(V, p=q[0]), rng.choice(V, p=q[1])])
-        a, bonus = accept_speculative(drafts, p, q, rng)
+        a, bonus = speculative_on_device(mx.array(drafts), pm, qm, mx.random.key(i))
+        a, bonus = int(a.item()), int(bonus.item())
         firsts.append(drafts[0] if a >= 1 else bonus)
-    assert chi2_pvalue(np.array(firsts), p[0]) > 1e-3
+        if a == 2:
+            after_full.append(bonus)
+    assert chi2_pvalue(np.array(firsts), p[0].astype(np.float64)) > 1e-3
+    assert len(after_full) > 300
+    assert chi2_pvalue(np.array(after_full), p[2].astype(np.float64)) > 1e-3
 
 
 def test_token_probs_matches_mlx_lm_sampler_support():

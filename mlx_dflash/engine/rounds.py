@@ -11,7 +11,14 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from .sampling import SamplingParams, accept_greedy, accept_speculative, draw, token_probs
+from .sampling import (
+    SamplingParams,
+    accept_greedy,
+    device_probs,
+    draw,
+    speculative_on_device,
+    token_probs,
+)
 from .session import GenerationConfig, Round, Session
 
 
@@ -103,25 +110,39 @@ def dflash_round(session: Session, last: int, n: int, sampling, rng, profile=Fal
 
 
 def _sampled_round(session: Session, last: int, n: int, sampling, rng) -> Round:
-    """Speculative sampling: drafts are drawn on the host from the drafter's distribution
-    (two syncs: the draws, then the target's distribution)."""
+    """Speculative sampling with one host sync: drafts drawn on the device from the drafter's
+    distribution, the acceptance rule and the next token too (speculative_on_device); only the
+    drafts, the accepted count and the bonus come back. The draws use MLX keys taken from the
+    seeded generator, so a seed still fixes the output."""
     target, drafter = session.target, session.drafter
     start = len(session.tokens)
+    key_d, key_a = mx.random.split(mx.random.key(int(rng.integers(2**31))))
     t0 = time.perf_counter()
-    q = token_probs(drafter.propose(last, start, n), sampling)
-    drafts = np.array(session.agree([draw(row, rng) for row in q]), dtype=np.int64)
+    q = device_probs(drafter.propose(last, start, n), sampling)
+    drafts = mx.random.categorical(mx.log(q), key=key_d).astype(mx.int32)
     t1 = time.perf_counter()
-    tokens = mx.array(np.concatenate([[last], drafts]).astype(np.int32))
+    tokens = mx.concatenate([mx.array([last], dtype=mx.int32), drafts])
     logits, taps = target.forward(tokens, session.cache, start)
-    p = token_probs(logits, sampling)
+    a, bonus = speculative_on_device(drafts, device_probs(logits, sampling), q, key_a)
+    result = mx.concatenate([drafts, mx.stack([a, bonus]).astype(mx.int32)])
+    if session.world is not None:  # every rank follows rank 0's draws
+        result = session.world.agree_device(result)
+    host = to_host(result)  # the round's one sync
     t2 = time.perf_counter()
-    a, bonus = session.agree(accept_speculative(drafts, p, q, rng))
+    a, bonus = int(host[n]), int(host[n + 1])
+    accepted = host[:a].tolist()
     for c in session.cache:
         c.trim(start + a + 1)
-    session.tokens.extend([last, *drafts[:a].tolist()])
+    session.tokens.extend([last, *accepted])
     drafter.add_context(taps[: a + 1])
-    out = [*drafts[:a].tolist(), bonus]
-    return Round(out, a + 1, n, t_draft=t1 - t0, t_verify=t2 - t1, t_other=time.perf_counter() - t2)
+    return Round(
+        [*accepted, bonus],
+        a + 1,
+        n,
+        t_draft=t1 - t0,
+        t_verify=t2 - t1,
+        t_other=time.perf_counter() - t2,
+    )
 
 
 def plain_round(session: Session, last: int, sampling, rng, feed_drafter: bool = False) -> Round:

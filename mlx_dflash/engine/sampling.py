@@ -26,6 +26,12 @@ class SamplingParams:
 
 def token_probs(logits: mx.array, params: SamplingParams) -> np.ndarray:
     """Rows of logits (n, V) -> float64 probabilities after top-p / top-k / temperature."""
+    p = np.array(device_probs(logits, params), dtype=np.float64)
+    return p / p.sum(axis=-1, keepdims=True)
+
+
+def device_probs(logits: mx.array, params: SamplingParams) -> mx.array:
+    """The same distribution as token_probs, left on the device (float32, lazy)."""
     logits = logits.astype(mx.float32)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     if 0 < params.top_p < 1:
@@ -39,8 +45,30 @@ def token_probs(logits: mx.array, params: SamplingParams) -> np.ndarray:
     if params.top_k > 0 and params.top_k < logprobs.shape[-1]:
         kth = mx.sort(logprobs, axis=-1)[..., -params.top_k][..., None]
         logprobs = mx.where(logprobs < kth, -mx.inf, logprobs)
-    p = np.array(mx.softmax(logprobs / params.temperature, axis=-1), dtype=np.float64)
-    return p / p.sum(axis=-1, keepdims=True)
+    return mx.softmax(logprobs / params.temperature, axis=-1)
+
+
+def speculative_on_device(drafts, p, q, key) -> tuple[mx.array, mx.array]:
+    """Speculative sampling's acceptance rule as MLX ops, so a sampled round reads back one
+    small array (docs/dflash.md).
+
+    drafts (n,) drawn from q (n, V); p (n+1, V) the target's distributions. Returns (a, bonus):
+    the accepted count (first draft failing u * q < p) and the token that follows, drawn from
+    normalize(max(p[a] - q[a], 0)), or from p[n] after a full accept (q[n] taken as 0).
+    """
+    n = drafts.shape[0]
+    k_u, k_b = mx.random.split(key)
+    rows = mx.arange(n)
+    u = mx.random.uniform(shape=(n,), key=k_u)
+    ok = u * q[rows, drafts] < p[rows, drafts]
+    a = mx.cumprod(ok.astype(mx.int32)).sum()
+    q_ext = mx.concatenate([q, mx.zeros((1, q.shape[-1]), q.dtype)])
+    p_a, q_a = mx.take(p, a, axis=0), mx.take(q_ext, a, axis=0)
+    residual = mx.maximum(p_a - q_a, 0.0)
+    # p == q leaves no residual mass: rejection then had probability zero; guard rounding.
+    residual = mx.where(residual.sum() > 0, residual, p_a)
+    bonus = mx.random.categorical(mx.log(residual), key=k_b)
+    return a, bonus
 
 
 def draw(p: np.ndarray, rng: np.random.Generator) -> int:
@@ -55,18 +83,3 @@ def accept_greedy(drafts: np.ndarray, target_argmax: np.ndarray) -> tuple[int, i
     miss = np.nonzero(drafts != target_argmax[:n])[0]
     a = int(miss[0]) if len(miss) else n
     return a, int(target_argmax[a])
-
-
-def accept_speculative(
-    drafts: np.ndarray, p: np.ndarray, q: np.ndarray, rng: np.random.Generator
-) -> tuple[int, int]:
-    """Speculative sampling: draft k ~ q[k] survives with prob min(1, p/q); on rejection the
-    replacement comes from normalize(max(p - q, 0)); after a full accept, the bonus from p[n]."""
-    for k, x in enumerate(drafts):
-        if rng.random() * q[k, x] < p[k, x]:
-            continue
-        residual = np.maximum(p[k] - q[k], 0.0)
-        if residual.sum() <= 0:  # p == q: rejection has probability zero; guard rounding
-            residual = p[k]
-        return k, draw(residual, rng)
-    return len(drafts), draw(p[len(drafts)], rng)
