@@ -15,7 +15,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import mlx_dflash  # noqa: F401,E402  (OpenBLAS before mlx)
 from mlx_dflash import distributed  # noqa: E402
-from mlx_dflash.engine import GenerationConfig, Session, generate_rounds  # noqa: E402
+from mlx_dflash.engine import GenerationConfig, SamplingParams, Session  # noqa: E402
+from mlx_dflash.engine import generate_rounds  # noqa: E402
 from mlx_dflash.models.pair import load_pair  # noqa: E402
 from oracle import OracleDrafter  # noqa: E402
 
@@ -30,6 +31,9 @@ def main(spec_path: str) -> None:
     results = {}
     for name, kw in spec["runs"].items():
         oracle = OracleDrafter(spec["truth"], target.vocab_size, block_size=8, corrupt=0.3, seed=2)
+        kw = dict(kw)
+        if "temperature" in kw:
+            kw["sampling"] = SamplingParams(kw.pop("temperature"))
         cfg = GenerationConfig(max_tokens=spec["max_tokens"], **kw)
         out, taus = [], []
         for i, rnd in enumerate(generate_rounds(Session(target, oracle), spec["prompt"], cfg)):
@@ -43,6 +47,8 @@ def main(spec_path: str) -> None:
     results["_parallel"] = "pipeline" if target.stage is not None else "tensor"
     if world.is_main:
         Path(spec["out"]).write_text(json.dumps(results))
+    else:  # the other rank's tokens, to check that the ranks never diverged
+        Path(spec["out"] + ".rank1").write_text(json.dumps(results))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ PROMPT = list(range(3, 43))
 N = 40
 RUNS = {
     "dflash": {"mode": "dflash"},
+    "sampled_dflash": {"mode": "dflash", "temperature": 1.0, "seed": 3},
+    "sampled_ddtree": {"mode": "ddtree", "budget": 4, "temperature": 1.0, "seed": 3},
     "ddtree": {"mode": "ddtree", "budget": 6},
     "ddtree_auto": {"mode": "ddtree", "budget": "auto"},
 }
@@ -86,8 +88,14 @@ def test_two_ranks_match_one_process(family, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     got = json.loads((tmp_path / "out.json").read_text())
     for name in RUNS:
+        if name.startswith("sampled"):
+            continue
         assert got[name]["tokens"] == ref, name
     assert max(got["dflash"]["taus"]) > 2  # drafts were accepted: trims happened on both ranks
+    # Sampling: rank 0 draws and broadcasts, so both ranks emitted the same tokens.
+    other = json.loads((tmp_path / "out.json.rank1").read_text())
+    for name in RUNS:
+        assert other[name]["tokens"] == got[name]["tokens"], name
     assert got["_comm"]["broadcasts"] > 0
 
 
@@ -255,6 +263,9 @@ def test_pipeline_stages_match_one_process(family, tmp_path):
     r = launch(sys.executable, str(worker), str(tmp_path / "spec.json"), env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     got = json.loads((tmp_path / "out.json").read_text())
+    other = json.loads((tmp_path / "out.json.rank1").read_text())
     for name in RUNS:
-        assert got[name]["tokens"] == ref, name
+        if not name.startswith("sampled"):
+            assert got[name]["tokens"] == ref, name
+        assert other[name]["tokens"] == got[name]["tokens"], name
     assert got["_parallel"] == "pipeline"

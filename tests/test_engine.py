@@ -182,9 +182,7 @@ def test_dflash_round_syncs_with_the_host_once(target, monkeypatch, temperature)
     """Drafts stay on the device: a round reads drafts and the target's choices (greedy), or
     drafts, accepted count and next token (sampled), back in one transfer, with no other eval
     (issue 19: host syncs are the overhead of small models)."""
-    from mlx_dflash.engine import SamplingParams
-
-    from mlx_dflash.engine import rounds
+    from mlx_dflash.engine import SamplingParams, rounds
 
     calls = {"to_host": 0, "eval": 0}
     real_to_host, real_eval = rounds.to_host, mx.eval
