@@ -44,7 +44,6 @@ class World:
     waiting: bool = False  # in `idle()`: the watchdog lets it be
     collectives: int = 0  # host decisions broadcast
     bytes_agreed: int = 0
-    t_agree: float = 0.0
     _beat: float = field(default_factory=time.monotonic)
 
     @property
@@ -53,13 +52,11 @@ class World:
 
     def agree(self, values) -> np.ndarray:
         """Rank 0's values (an int array of the same shape everywhere), on every rank."""
-        t0 = time.perf_counter()
         a = np.asarray(values, dtype=np.int64)
         x = mx.array(a.astype(np.int32) if self.is_main else np.zeros(a.shape, np.int32))
         out = np.array(mx.distributed.all_sum(x, group=self.group)).astype(np.int64)
         self.collectives += 1
         self.bytes_agreed += 4 * a.size
-        self.t_agree += time.perf_counter() - t0
         self.beat()
         return out
 

@@ -59,11 +59,11 @@ class VerifyProfile:
         path = cache_root() / "profiles" / f"{key}.json"
         world = getattr(target, "world", None)
         prof = cls._load(path)
-        # Measuring runs forwards, which a sharded target's ranks must all run together.
-        if prof is not None and (world is None or world.all_true(True)):
+        found = prof is not None
+        if world is not None:  # measuring runs forwards, which all ranks must run together
+            found = world.all_true(found)
+        if found:
             return prof
-        if prof is None and world is not None:
-            world.all_true(False)
         prof = cls.measure(target)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

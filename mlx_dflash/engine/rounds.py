@@ -69,30 +69,45 @@ def _pick(logits: mx.array, sampling: SamplingParams, rng) -> int:
 def dflash_round(session: Session, last: int, n: int, sampling, rng, profile=False) -> Round:
     """Draft n tokens in one drafter pass, verify n+1 in one target pass, commit the accepted.
 
-    Greedy rounds sync with the host once: the drafts stay on the device, the drafter runs
-    (async_eval) while Python builds the verify graph, and drafts and the target's choices
-    come back in one transfer. `profile` syncs after each phase instead, so that the time
-    split (Round.t_draft / t_verify / t_build) is the device's, not the overlap's.
+    One host sync a round: the drafts stay on the device, and one transfer brings back the
+    drafts with the target's choices (greedy), or with the accepted count and the next token
+    (sampling: drafts drawn on the device, the acceptance rule run as MLX ops by
+    speculative_on_device, with MLX keys taken from the seeded generator, so a seed still fixes
+    the output). `profile` also syncs after drafting, so that the time split (Round.t_draft /
+    t_verify / t_build) is the device's.
     """
-    if not sampling.greedy:
-        return _sampled_round(session, last, n, sampling, rng)
     target, drafter = session.target, session.drafter
     start = len(session.tokens)
+    if not sampling.greedy:
+        key_d, key_a = mx.random.split(mx.random.key(int(rng.integers(2**31))))
     t0 = time.perf_counter()
-    drafts = mx.argmax(drafter.propose(last, start, n), axis=-1).astype(mx.int32)
+    q_logits = drafter.propose(last, start, n)
+    if sampling.greedy:
+        drafts = mx.argmax(q_logits, axis=-1).astype(mx.int32)
+    else:
+        q = device_probs(q_logits, sampling)
+        drafts = mx.random.categorical(mx.log(q), key=key_d).astype(mx.int32)
     t_build = time.perf_counter() - t0
     if profile:
         mx.eval(drafts)
     t1 = time.perf_counter()
     tokens = mx.concatenate([mx.array([last], dtype=mx.int32), drafts])
     logits, taps = target.forward(tokens, session.cache, start)
-    choices = mx.concatenate([drafts, mx.argmax(logits, axis=-1).astype(mx.int32)])
-    if session.world is not None:  # every rank follows rank 0's drafts and choices
-        choices = session.world.agree_device(choices)
+    if sampling.greedy:
+        decided = mx.argmax(logits, axis=-1).astype(mx.int32)
+    else:
+        a, bonus = speculative_on_device(drafts, device_probs(logits, sampling), q, key_a)
+        decided = mx.stack([a, bonus]).astype(mx.int32)
+    result = mx.concatenate([drafts, decided])
+    if session.world is not None:  # every rank follows rank 0's drafts and decisions
+        result = session.world.agree_device(result)
     t_build += time.perf_counter() - t1
-    host = to_host(choices)  # the round's one sync
+    host = to_host(result)  # the round's one sync
     t2 = time.perf_counter()
-    a, bonus = accept_greedy(host[:n], host[n:])
+    if sampling.greedy:
+        a, bonus = accept_greedy(host[:n], host[n:])
+    else:
+        a, bonus = int(host[n]), int(host[n + 1])
     accepted = host[:a].tolist()
     for c in session.cache:
         c.trim(start + a + 1)
@@ -106,42 +121,6 @@ def dflash_round(session: Session, last: int, n: int, sampling, rng, profile=Fal
         t_verify=t2 - t1,
         t_other=time.perf_counter() - t2,
         t_build=t_build,
-    )
-
-
-def _sampled_round(session: Session, last: int, n: int, sampling, rng) -> Round:
-    """Speculative sampling with one host sync: drafts drawn on the device from the drafter's
-    distribution, the acceptance rule and the next token too (speculative_on_device); only the
-    drafts, the accepted count and the bonus come back. The draws use MLX keys taken from the
-    seeded generator, so a seed still fixes the output."""
-    target, drafter = session.target, session.drafter
-    start = len(session.tokens)
-    key_d, key_a = mx.random.split(mx.random.key(int(rng.integers(2**31))))
-    t0 = time.perf_counter()
-    q = device_probs(drafter.propose(last, start, n), sampling)
-    drafts = mx.random.categorical(mx.log(q), key=key_d).astype(mx.int32)
-    t1 = time.perf_counter()
-    tokens = mx.concatenate([mx.array([last], dtype=mx.int32), drafts])
-    logits, taps = target.forward(tokens, session.cache, start)
-    a, bonus = speculative_on_device(drafts, device_probs(logits, sampling), q, key_a)
-    result = mx.concatenate([drafts, mx.stack([a, bonus]).astype(mx.int32)])
-    if session.world is not None:  # every rank follows rank 0's draws
-        result = session.world.agree_device(result)
-    host = to_host(result)  # the round's one sync
-    t2 = time.perf_counter()
-    a, bonus = int(host[n]), int(host[n + 1])
-    accepted = host[:a].tolist()
-    for c in session.cache:
-        c.trim(start + a + 1)
-    session.tokens.extend([last, *accepted])
-    drafter.add_context(taps[: a + 1])
-    return Round(
-        [*accepted, bonus],
-        a + 1,
-        n,
-        t_draft=t1 - t0,
-        t_verify=t2 - t1,
-        t_other=time.perf_counter() - t2,
     )
 
 
