@@ -6,7 +6,6 @@ others with one sentence."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
@@ -40,23 +39,47 @@ def launch(*args, env=None, timeout=240):
 
 
 def kimi_folder(path: Path) -> Path:
-    from factories import write_tiny_tokenizer
-    from mlx_lm.utils import save_config, save_model
-    from test_engine import mlx_lm_greedy
-    from test_mla import CONFIGS, build, router_margin
+    from test_mla import CONFIGS, build, clear_of_ties, save_folder
 
     from mlx_dflash.models.target import Target
 
     cfg = CONFIGS["kimi_k25"]
-    for seed in range(20):  # clear of MoE routing ties (see tests/test_mla.py)
-        model = build(cfg, seed)
-        t = Target(model, None, cfg)
-        if router_margin(t, PROMPT + mlx_lm_greedy(t, PROMPT, N), len(PROMPT)) > 1e-2:
-            break
-    save_model(path, model)
-    save_config(copy.deepcopy(cfg), path / "config.json")  # save_config edits its argument
-    write_tiny_tokenizer(path, 256)
-    return path
+    # Clear of MoE routing ties (see tests/test_mla.py), with room for the ranks' summation.
+    target, _ = clear_of_ties(lambda seed: Target(build(cfg, seed), None, cfg), N, margin=1e-2)
+    return save_folder(path, target.model, cfg)
+
+
+def run_worker(tmp_path, folder, truth, runs, max_tokens=N, env=None, timeout=240):
+    """tests/dist_worker.py on two ranks; (launch result, rank 0's and rank 1's outputs)."""
+    spec = {
+        "model": str(folder),
+        "prompt": PROMPT,
+        "truth": truth,
+        "max_tokens": max_tokens,
+        "runs": runs,
+        "out": str(tmp_path / "out.json"),
+    }
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    worker = Path(__file__).parent / "dist_worker.py"
+    r = launch(sys.executable, str(worker), str(tmp_path / "spec.json"), env=env, timeout=timeout)
+    outs = [tmp_path / "out.json", tmp_path / "out.json.rank1"]
+    got = [json.loads(p.read_text()) if p.exists() else None for p in outs]
+    return r, got[0], got[1]
+
+
+def check_two_ranks(folder, tmp_path, env=None):
+    """Every run on two ranks: greedy ones equal mlx-lm's one-process decoding, and (sampling
+    included) rank 1 emitted what rank 0 did. Returns rank 0's outputs."""
+    from test_engine import mlx_lm_greedy
+
+    ref = mlx_lm_greedy(load_target(folder), PROMPT, N)
+    r, got, other = run_worker(tmp_path, folder, PROMPT + ref, RUNS, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for name in RUNS:
+        if not name.startswith("sampled"):
+            assert got[name]["tokens"] == ref, name
+        assert other[name]["tokens"] == got[name]["tokens"], name
+    return got, ref
 
 
 FIXTURES = {
@@ -69,34 +92,9 @@ FIXTURES = {
 
 @pytest.mark.parametrize("family", sorted(FIXTURES))
 def test_two_ranks_match_one_process(family, tmp_path):
-    from test_engine import mlx_lm_greedy
-
-    folder = FIXTURES[family](tmp_path / family)
-    target = load_target(folder)
-    ref = mlx_lm_greedy(target, PROMPT, N)
-    spec = {
-        "model": str(folder),
-        "prompt": PROMPT,
-        "truth": PROMPT + ref,
-        "max_tokens": N,
-        "runs": RUNS,
-        "out": str(tmp_path / "out.json"),
-    }
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    worker = Path(__file__).parent / "dist_worker.py"
-    r = launch(sys.executable, str(worker), str(tmp_path / "spec.json"))
-    assert r.returncode == 0, r.stdout + r.stderr
-    got = json.loads((tmp_path / "out.json").read_text())
-    for name in RUNS:
-        if name.startswith("sampled"):
-            continue
-        assert got[name]["tokens"] == ref, name
+    got, _ = check_two_ranks(FIXTURES[family](tmp_path / family), tmp_path)
     assert max(got["dflash"]["taus"]) > 2  # drafts were accepted: trims happened on both ranks
-    # Sampling: rank 0 draws and broadcasts, so both ranks emitted the same tokens.
-    other = json.loads((tmp_path / "out.json.rank1").read_text())
-    for name in RUNS:
-        assert other[name]["tokens"] == got[name]["tokens"], name
-    assert got["_comm"]["broadcasts"] > 0
+    assert got["_comm"]["broadcasts"] > 0 and got["_parallel"] == "tensor"
 
 
 def test_generate_prints_once_with_world_size(tmp_path, run_cli):
@@ -115,20 +113,12 @@ def test_generate_prints_once_with_world_size(tmp_path, run_cli):
 
 def test_killed_rank_stops_the_others_with_one_sentence(tmp_path):
     folder = write_published(tmp_path / "llama", "meta-llama/Llama-3.1-8B-Instruct", "hf")
-    spec = {
-        "model": str(folder),
-        "prompt": PROMPT,
-        "truth": PROMPT,
-        "max_tokens": 400,
-        "runs": {"dflash": {"mode": "dflash"}},
-        "out": str(tmp_path / "out.json"),
-    }
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    worker = Path(__file__).parent / "dist_worker.py"
-    r = launch(
-        sys.executable,
-        str(worker),
-        str(tmp_path / "spec.json"),
+    r, got, _ = run_worker(
+        tmp_path,
+        folder,
+        PROMPT,
+        {"dflash": {"mode": "dflash"}},
+        max_tokens=400,
         env={"DFLASH_TEST_DIE_AFTER": "3", "DFLASH_MLX_DIST_TIMEOUT": "10"},
         timeout=120,
     )
@@ -138,7 +128,7 @@ def test_killed_rank_stops_the_others_with_one_sentence(tmp_path):
     # (mlx.launch's own exit status does not say).
     assert "error: rank 0 of 2: another rank stop" in log, log
     assert "Traceback" not in log
-    assert not (tmp_path / "out.json").exists()
+    assert got is None  # rank 0 never finished
 
 
 def test_watchdog_ends_a_hang(monkeypatch):
@@ -242,30 +232,7 @@ PIPELINE = {
 
 @pytest.mark.parametrize("family", sorted(PIPELINE))
 def test_pipeline_stages_match_one_process(family, tmp_path):
-    from oracle import diversify  # noqa: F401  (tiny random targets are varied enough here)
-    from test_engine import mlx_lm_greedy
-
     write, env = PIPELINE[family]
-    folder = write(tmp_path / family)
-    ref = mlx_lm_greedy(load_target(folder), PROMPT, N)
+    got, ref = check_two_ranks(write(tmp_path / family), tmp_path, env)
     assert len(set(ref)) > 3
-    spec = {
-        "model": str(folder),
-        "prompt": PROMPT,
-        "truth": PROMPT + ref,
-        "max_tokens": N,
-        "runs": RUNS,
-        "out": str(tmp_path / "out.json"),
-        "expect": "pipeline",
-    }
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    worker = Path(__file__).parent / "dist_worker.py"
-    r = launch(sys.executable, str(worker), str(tmp_path / "spec.json"), env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
-    got = json.loads((tmp_path / "out.json").read_text())
-    other = json.loads((tmp_path / "out.json.rank1").read_text())
-    for name in RUNS:
-        if not name.startswith("sampled"):
-            assert got[name]["tokens"] == ref, name
-        assert other[name]["tokens"] == got[name]["tokens"], name
     assert got["_parallel"] == "pipeline"

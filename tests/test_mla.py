@@ -205,14 +205,31 @@ def router_margin(target: Target, tokens: list[int], start: int) -> float:
     return worst
 
 
-def well_routed(cfg: dict, n: int = 96) -> Target:
-    """The first seed whose greedy continuation keeps clear of routing ties (see above)."""
+def clear_of_ties(make, n: int, margin: float = 1e-3):
+    """The first of make(0), make(1), ... (a Target, or a tuple that starts with one) whose
+    greedy continuation of n tokens keeps clear of routing ties (see above); with that
+    continuation."""
     for seed in range(20):
-        target = Target(build(cfg, seed), None, cfg)
+        made = make(seed)
+        target = made[0] if isinstance(made, tuple) else made
         ref = mlx_lm_greedy(target, PROMPT, n)
-        if router_margin(target, PROMPT + ref, len(PROMPT)) > 1e-3:
-            return target
+        if router_margin(target, PROMPT + ref, len(PROMPT)) > margin:
+            return made, ref
     raise AssertionError("no seed gave a continuation clear of routing ties")
+
+
+def well_routed(cfg: dict, n: int = 96) -> Target:
+    return clear_of_ties(lambda seed: Target(build(cfg, seed), None, cfg), n)[0]
+
+
+def save_folder(path, model, cfg: dict):
+    """A model folder as mlx-lm writes it, with the tiny tokenizer."""
+    from mlx_lm.utils import save_config, save_model
+
+    save_model(path, model)
+    save_config(copy.deepcopy(cfg), path / "config.json")  # save_config edits its argument
+    write_tiny_tokenizer(path, 256)
+    return path
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -296,14 +313,8 @@ def test_tree_compaction_keeps_the_latent_cache_exact(target):
 
 def test_kimi_k25_folder_loads_through_mlx_lm(tmp_path):
     """A kimi_k25 folder (wrapper config, language_model.* weights) loads and decodes exactly."""
-    from mlx_lm.utils import save_config, save_model
-
     cfg = CONFIGS["kimi_k25"]
-    model = build(cfg)
-    save_model(tmp_path, model)
-    save_config(copy.deepcopy(cfg), tmp_path / "config.json")  # save_config edits its argument
-    write_tiny_tokenizer(tmp_path, 256)
-    target = load_target(tmp_path)
+    target = load_target(save_folder(tmp_path, build(cfg), cfg))
     assert target.model_type == "kimi_k25" and target.num_layers == 4
     ref = mlx_lm_greedy(target, PROMPT, 24)
     target.set_taps([1, 3])
@@ -412,12 +423,11 @@ def test_kimi_k25_published_int4_layout_loads_and_runs_exactly(tmp_path, run_cli
     with `dflash-mlx convert`, and DFlash / DDTree on it equal mlx-lm on the same folder."""
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
-    for seed in range(20):
+    def make(seed):
         folder = write_kimi_hf_int4(tmp_path / f"Kimi-K2.5-{seed}", seed)
-        target = load_target(folder)
-        ref = mlx_lm_greedy(target, PROMPT, N)
-        if router_margin(target, PROMPT + ref, len(PROMPT)) > 1e-3:
-            break
+        return load_target(folder), folder
+
+    (target, folder), ref = clear_of_ties(make, N)
     moe = target.layers[-1].mlp.switch_mlp
     assert isinstance(moe.gate_proj, QuantizedSwitchLinear) and moe.gate_proj.bits == 4
     assert not hasattr(target.layers[-1].self_attn.o_proj, "scales")  # the rest stays float
@@ -512,12 +522,10 @@ def test_published_kimi_pair_found_checked_and_exact(tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(convert_mod, "_snapshot_download", lambda r: str(hub[r]))
     monkeypatch.setattr(convert_mod, "_download_config", lambda r: str(hub[r] / "config.json"))
-    for seed in range(20):
-        folder = write_kimi_hf_int4(tmp_path / f"s{seed}" / "Kimi-K2.5", seed)
-        target, runner = load_pair(str(folder))
-        ref = mlx_lm_greedy(target, PROMPT, N)
-        if router_margin(target, PROMPT + ref, len(PROMPT)) > 1e-3:
-            break
+    (target, runner), ref = clear_of_ties(
+        lambda seed: load_pair(str(write_kimi_hf_int4(tmp_path / f"s{seed}" / "Kimi-K2.5", seed))),
+        N,
+    )
     assert type(runner.drafter.layers[0].self_attn.rope).__name__ == "YarnRoPE"
     assert runner.block_size == 8
     for mode in ("dflash", "ddtree"):
