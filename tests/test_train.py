@@ -12,8 +12,15 @@ import pytest
 from mlx_dflash.models.drafter import DrafterRunner, drafter_logits, init_drafter, load_drafter
 from mlx_dflash.models.target import load_target
 from mlx_dflash.paths import DEFAULT_TARGET
-from mlx_dflash.training.batches import cache_all_taps, loss_vocabulary, make_batch, tap_scale
-from mlx_dflash.training.checkpoint import load_checkpoint
+from mlx_dflash.training.batches import (
+    TapStore,
+    cache_all_taps,
+    loss_vocabulary,
+    make_batch,
+    record_key,
+    tap_scale,
+)
+from mlx_dflash.training.checkpoint import CURVE_FILE, TAPS_DIR, load_checkpoint
 from mlx_dflash.training.data import (
     answer_prompts,
     batch_generate,
@@ -240,9 +247,8 @@ def test_tap_cache_on_disk(target, data, tmp_path, monkeypatch):
 
     recs, _, _ = data
     target.set_taps([1, 3])
-    path = tmp_path / "cache" / "taps.safetensors"
-    first = cache_all_taps(target, recs[:10], 512, group=4, path=path)
-    assert path.exists()
+    first = cache_all_taps(target, recs[:10], 512, group=4, out=tmp_path)
+    assert len(list((tmp_path / TAPS_DIR).glob("*.safetensors"))) == 3  # one per group
     ref = target_taps(target, mx.array([recs[0]["tokens"]]))[0]
     assert mx.allclose(first[0].astype(mx.float32), ref, atol=1e-2, rtol=1e-2)
 
@@ -250,12 +256,58 @@ def test_tap_cache_on_disk(target, data, tmp_path, monkeypatch):
         raise AssertionError("the cached taps should have been used")
 
     monkeypatch.setattr(train_mod, "target_taps", no_forward)
-    again = cache_all_taps(target, recs[:10], 512, group=4, path=path)
+    again = cache_all_taps(target, recs[:10], 512, group=4, out=tmp_path)
     assert all(mx.array_equal(a, b) for a, b in zip(first, again, strict=True))
+    # Shorter max_len: the stored taps are cut, not recomputed.
+    cut = cache_all_taps(target, recs[:10], 20, group=4, out=tmp_path)
+    assert all(mx.array_equal(a[:20], b) for a, b in zip(first, cut, strict=True))
     monkeypatch.undo()
     target.set_taps([2])
-    other = cache_all_taps(target, recs[:10], 512, group=4, path=path)
+    other = cache_all_taps(target, recs[:10], 512, group=4, out=tmp_path)
     assert other[0].shape[-1] == target.hidden_size
+
+
+def test_taps_kept_while_answering(target, tmp_path, monkeypatch):
+    """Answering with tap_ids stores, per answer, the taps a separate pass over prompt + answer
+    gives (left-padded rows, rows leaving the batch early): training then needs no pass."""
+    import mlx_dflash.training.batches as train_mod
+
+    prompts = ["Once upon a time", "Tom had a big red", "The sun", "Lily and Ben went to the"]
+    shard = tmp_path / "answers.jsonl"
+    target.set_taps([1, 3])
+    answer_prompts(target, prompts, shard, temps=(0.0, 0.7), max_tokens=40, tap_ids=[1, 3])
+    recs = load_records([shard])
+    assert len({len(r["tokens"]) for r in recs}) > 1  # some stopped early
+    stored = TapStore(tmp_path, [1, 3]).load()
+    assert sorted(stored) == sorted(str(r["id"]) for r in recs)
+    for r in recs:
+        got = stored[str(r["id"])].astype(mx.float32)
+        ref = target_taps(target, mx.array([r["tokens"]]))[0]
+        assert got.shape == ref.shape
+        # All but the last token were fed to the target; the last one's taps stay zero.
+        assert mx.allclose(got[:-1], ref[:-1], atol=2e-2, rtol=1e-2), r["id"]
+        assert not mx.any(got[-1]).item()
+
+    monkeypatch.setattr(train_mod, "target_taps", lambda *a, **k: 1 / 0)
+    taps = cache_all_taps(target, recs, 512, out=tmp_path)  # no second pass
+    assert [t.shape[0] for t in taps] == [len(r["tokens"]) for r in recs]
+
+
+def test_records_from_several_runs(target, data, tmp_path):
+    """Another run's answers (gzipped, as committed) join the run's own, keyed apart."""
+    import gzip
+    import shutil
+
+    recs, _, shard = data
+    other = tmp_path / "other-run" / "answers.jsonl.gz"
+    other.parent.mkdir()
+    with open(shard, "rb") as src, gzip.open(other, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    both = load_records([shard, other], own=shard)
+    assert len(both) == 2 * len(recs)
+    keys = [record_key(r) for r in both]
+    assert len(set(keys)) == len(keys)
+    assert keys[0] == str(both[0]["id"]) and keys[-1] == f"other-run/{both[-1]['id']}"
 
 
 def test_answers_resume(target, tmp_path):
@@ -304,16 +356,30 @@ def test_train_command_end_to_end(run_cli, tmp_path):
                                 "--steps", "2")  # fmt: skip
     assert code == 0, err
     assert "final eval tau" in stdout and (out / "model.safetensors").exists()
-    assert (out / "cache" / "taps.safetensors").exists()
     answers = (out / "answers.jsonl").read_text()
     assert len(answers.splitlines()) == 8
+    # Taps were kept while answering: one shard per answered batch, every answer in it.
+    store = TapStore(out, [2]).load()
+    assert sorted(store) == sorted(str(json.loads(x)["id"]) for x in answers.splitlines())
 
-    code, stdout, err = run_cli("train", *common, "--no-gen", "--resume", "--steps", "3")
+    # Resumed on the same answers plus another run's, with a tau curve on two sets.
+    code, stdout, err = run_cli("train", *common, "--no-gen", "--resume", "--steps", "3",
+                                "--answers", out / "answers.jsonl", "--eval-every", "1",
+                                "--eval-set", "mixed:2", "--eval-set", "copy:1")  # fmt: skip
     assert code == 0, err
     assert (out / "answers.jsonl").read_text() == answers
-    assert json.loads((out / "trainer_state.json").read_text())["step"] == 3
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["step"] == 3 and state["seen_tokens"] > 0
+    curve = [json.loads(x) for x in (out / CURVE_FILE).read_text().splitlines()]
+    assert [c["step"] for c in curve] == [3]  # resumed at step 2: one evaluation, at 3
+    assert {"held-out", "mixed", "copy"} <= set(curve[0]) and curve[0]["seen_tokens"] > 0
+    assert "tau by set" in stdout + err
 
     code, _, err = run_cli("train", "--out", tmp_path / "empty", "--no-gen", "--num-prompts", "12")
     assert code != 0 and "--no-gen needs answers" in err and "Traceback" not in err
     code, _, err = run_cli("train", *common, "--no-gen", "--steps", "1", "--loss-vocab", "some")
     assert code != 0 and "--loss-vocab is 'full' or 'corpus'" in err
+    code, _, err = run_cli("train", *common, "--no-gen", "--answers", tmp_path / "none.jsonl")
+    assert code != 0 and "no such file" in err and "Traceback" not in err
+    code, _, err = run_cli("train", *common, "--no-gen", "--eval-set", "nope")
+    assert code != 0 and "Unknown dataset 'nope'" in err and "Traceback" not in err

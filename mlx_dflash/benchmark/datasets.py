@@ -54,6 +54,10 @@ PACKAGED: dict[str, Path] = {
     # Code edits, quotes, corrections, conversions and chat turns that repeat earlier text:
     # where prompt lookup (--mode lookup, ddtree+lookup) should pay.
     "copy": Path(__file__).parent / "data" / "copy_heavy.jsonl",
+    # Chat, code and math in turn (ShareGPT prompts from the end of the file, MBPP test tasks,
+    # MATH-500), none of them in any training data of the shipped drafters: does a drafter
+    # generalise?
+    "mixed": Path(__file__).parent / "data" / "mixed.jsonl",
 }
 
 

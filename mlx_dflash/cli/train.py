@@ -11,7 +11,7 @@ import typer
 from ..checkpoints.read import check_pair
 from ..errors import DFlashError
 from ..models.drafter import init_drafter, load_drafter
-from ..training.checkpoint import load_checkpoint
+from ..training.checkpoint import load_checkpoint, saved_seen_tokens
 from ..training.data import encode, load_records
 from ..training.trainer import (
     TrainConfig,
@@ -30,6 +30,21 @@ def _parse_ints(s: str | None) -> list[int] | None:
         return [int(x) for x in s.split(",") if x.strip()]
     except ValueError:
         raise DFlashError(f"Expected comma-separated integers, not '{s}'.") from None
+
+
+def _eval_sets(specs: list[str]) -> list[tuple[str, list[str]]]:
+    """NAME[:N] -> (NAME, its first N prompts)."""
+    from ..benchmark.datasets import load_prompts
+
+    out = []
+    for spec in specs:
+        name, _, n = spec.partition(":")
+        try:
+            limit = int(n) if n else 4
+        except ValueError:
+            raise DFlashError(f"--eval-set {spec}: N must be a whole number.") from None
+        out.append((name, load_prompts(name, limit=limit)))
+    return out
 
 
 def _parse_floats(s: str) -> tuple[float, ...]:
@@ -93,6 +108,18 @@ def train_command(
     gen: bool = typer.Option(
         True, "--gen/--no-gen", help="--no-gen: train on the answers already in OUT, answer none."
     ),
+    answers: list[Path] = typer.Option(
+        [],
+        "--answers",
+        help="Another run's answers (answers.jsonl or .jsonl.gz) to train on too; repeatable.",
+    ),
+    eval_set: list[str] = typer.Option(
+        [],
+        "--eval-set",
+        help="NAME[:N]: also measure tau on the first N (default 4) prompts of a bench set "
+        "(gsm8k, humaneval, mt-bench, mixed, ... or a .jsonl file) at every evaluation; "
+        "repeatable. The curve goes to OUT/curve.jsonl.",
+    ),
     dequantize: bool = typer.Option(True, "--dequantize/--keep-quantized"),
     seed: int = typer.Option(0, "--seed"),
 ) -> None:
@@ -103,10 +130,33 @@ def train_command(
         raise DFlashError(f"Only {len(prompts)} prompts: fewer than --eval-prompts + 1.")
     train_prompts = prompts[: len(prompts) - eval_prompts]
     held_out = prompts[len(prompts) - eval_prompts :]
+    for path in answers:
+        if not path.is_file():
+            raise DFlashError(f"--answers {path}: no such file.")
+    sets = {name: [encode(target.tokenizer, p) for p in ps] for name, ps in _eval_sets(eval_set)}
+    # The drafter comes first: its tapped layers are what answering keeps for training.
+    opt_state, step, fresh, seen = None, 0, False, 0
+    if resume and (out / "model.safetensors").exists():
+        drafter, opt_state, step = load_checkpoint(out, target.num_layers)
+        seen = saved_seen_tokens(out)
+    elif init is not None:
+        drafter = load_drafter(init, num_target_layers=target.num_layers)
+    else:
+        dcfg = new_drafter_config(
+            target, layers, _parse_ints(taps), block_size, mask_token_id, heads, window
+        )
+        drafter = init_drafter(dcfg, seed=seed)
+        fresh = True
+    check_pair(drafter.cfg, target.config)
+    tap_bytes = drafter.cfg.num_taps * target.hidden_size * 2  # per token, float16
     shard = out / "answers.jsonl"
     if gen:
         temps = _parse_floats(gen_temps)
-        answer(target, train_prompts, shard, temps, gen_max_tokens, gen_batch, seed)
+        keep = cache_taps
+        if keep is None:  # the same rule as for training: all of it under 2 GB
+            keep = len(train_prompts) * (gen_max_tokens + 128) * tap_bytes < 2**31
+        tap_ids = drafter.cfg.target_layer_ids if keep else None
+        answer(target, train_prompts, shard, temps, gen_max_tokens, gen_batch, seed, tap_ids)
     elif not shard.exists():
         raise DFlashError(f"--no-gen needs answers in {shard}; run without it first.")
     if gen_only:
@@ -129,22 +179,10 @@ def train_command(
         negatives=negatives,
         precondition=precondition,
     )
-    records = load_records([shard])
-    opt_state, step, fresh = None, 0, False
-    if resume and (out / "model.safetensors").exists():
-        drafter, opt_state, step = load_checkpoint(out, target.num_layers)
-    elif init is not None:
-        drafter = load_drafter(init, num_target_layers=target.num_layers)
-    else:
-        dcfg = new_drafter_config(
-            target, layers, _parse_ints(taps), block_size, mask_token_id, heads, window
-        )
-        drafter = init_drafter(dcfg, seed=seed)
-        fresh = True
-    check_pair(drafter.cfg, target.config)
+    records = load_records([shard, *answers], own=shard)
     if cache_taps is None:
         n_tok = sum(min(len(r["tokens"]), max_len) for r in records)
-        cache_taps = n_tok * drafter.cfg.num_taps * target.hidden_size * 2 < 2**31
+        cache_taps = n_tok * tap_bytes < 2**31
     cfg.cache_taps = cache_taps
     trainer = Trainer(
         target,
@@ -156,6 +194,8 @@ def train_command(
         step=step,
         opt_state=opt_state,
         fresh=fresh,
+        eval_sets=sets,
+        seen_tokens=seen,
     )
     t0 = time.perf_counter()
     trainer.run()

@@ -4,6 +4,8 @@ per batch, or once and kept on disk), the loss vocabulary and the tap preconditi
 from __future__ import annotations
 
 import math
+import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -11,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..progress import progress
-from .checkpoint import atomic_write
+from .checkpoint import TAPS_DIR, atomic_write
 from .forward import target_taps
 
 if TYPE_CHECKING:
@@ -44,28 +46,75 @@ def make_batch(
         "tokens": tok,
         "anchors": mx.array(anchors),
         "lengths": mx.array([len(s) for s in seqs], dtype=mx.int32),
+        "response_tokens": sum(len(s) - r["prompt_len"] for s, r in zip(seqs, recs, strict=True)),
         "taps": taps,
     }
 
 
-def cache_all_taps(
-    target, recs: list[dict], max_len: int, group: int = 16, path: Path | None = None
-) -> list[mx.array]:
-    """Every record's taps, once: groups of similar length share a pass.
+class TapStore:
+    """The target's taps of answered records, on disk: float16 safetensors shards in
+    `OUT/cache/taps/`, each tagged with the tapped layers and keyed by record key.
 
-    With `path` they are also kept on disk (float16, keyed by record id, tapped layers and
-    max_len), so a second run or a resumed one skips the target's forward passes entirely.
+    Shards are only ever added (by the answerer, batch by batch, and by `cache_all_taps` for
+    records answered without taps), so an interrupted run loses at most the shard it was
+    writing, and a record's taps are found wherever they were made.
     """
-    key = {"taps": ",".join(map(str, target.tap_ids)), "max_len": str(max_len)}
-    saved = _load_taps(path, key) if path is not None else {}
-    out: list[mx.array | None] = [saved.get(str(r["id"])) for r in recs]
-    for i, x in enumerate(out):
-        if x is not None and x.shape[0] != min(len(recs[i]["tokens"]), max_len):
-            out[i] = None  # a record that changed since the cache was written
-    todo = sorted((i for i, x in enumerate(out) if x is None), key=lambda i: len(recs[i]["tokens"]))
-    if not todo:
+
+    def __init__(self, out: Path, tap_ids):
+        self.dir = Path(out) / TAPS_DIR
+        self.tag = ",".join(map(str, tap_ids))
+
+    def add(self, arrays: dict) -> None:
+        if not arrays:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        # Named by time and process: two jobs (answering, a tap pass) may add at once, and
+        # a later shard (a record re-answered) wins when names are read in order.
+        path = self.dir / f"{time.time_ns()}-{os.getpid()}.safetensors"
+        data = {k: mx.array(v) if isinstance(v, np.ndarray) else v for k, v in arrays.items()}
+        atomic_write(path, lambda p: mx.save_safetensors(p, data, metadata={"taps": self.tag}))
+
+    def load(self) -> dict:
+        """Every stored record's taps for these tapped layers (damaged shards are skipped)."""
+        out = {}
+        for path in sorted(self.dir.glob("*.safetensors")) if self.dir.is_dir() else []:
+            try:
+                arrays, meta = mx.load(str(path), return_metadata=True)
+            except (RuntimeError, ValueError):
+                continue  # recomputed
+            if meta.get("taps") == self.tag:
+                out.update(arrays)
         return out
-    with progress(info=True, show=path is not None, transient=False) as bar:
+
+
+def record_key(rec: dict) -> str:
+    """How a record is named in the tap store: its id, prefixed by its source when it comes
+    from another run's answers (ids restart at 0 in every shard)."""
+    return rec.get("key") or str(rec["id"])
+
+
+def cache_all_taps(
+    target, recs: list[dict], max_len: int, group: int = 16, out: Path | None = None
+) -> list[mx.array]:
+    """Every record's taps (truncated to max_len), once: groups of similar length share a pass.
+
+    With `out` they are read from and added to its tap store (`TapStore`), so taps made while
+    answering, by an earlier run or by a resumed one are never computed again.
+    """
+    store = TapStore(out, target.tap_ids) if out is not None else None
+    saved = store.load() if store is not None else {}
+    out_taps: list[mx.array | None] = []
+    for r in recs:
+        x = saved.get(record_key(r))
+        n = min(len(r["tokens"]), max_len)
+        # None too for a record that changed since its taps were written.
+        out_taps.append(x[:n] if x is not None and x.shape[0] >= n else None)
+    todo = sorted(
+        (i for i, x in enumerate(out_taps) if x is None), key=lambda i: len(recs[i]["tokens"])
+    )
+    if not todo:
+        return out_taps
+    with progress(info=True, show=out is not None, transient=False) as bar:
         task = bar.add_task("target taps", total=len(todo), info="")
         for g in range(0, len(todo), group):
             idx = todo[g : g + group]
@@ -77,24 +126,11 @@ def cache_all_taps(
             taps = target_taps(target, mx.array(rows)).astype(mx.float16)
             mx.eval(taps)
             for j, i in enumerate(idx):
-                out[i] = taps[j, : len(seqs[j])]
+                out_taps[i] = taps[j, : len(seqs[j])]
+            if store is not None:
+                store.add({record_key(recs[i]): out_taps[i] for i in idx})
             bar.advance(task, len(idx))
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        arrays = {str(r["id"]): x for r, x in zip(recs, out, strict=True)}
-        atomic_write(path, lambda p: mx.save_safetensors(p, arrays, metadata=key))
-    return out
-
-
-def _load_taps(path: Path, key: dict) -> dict:
-    """A tap cache written for the same tapped layers and max_len, else nothing."""
-    if not path.exists():
-        return {}
-    try:
-        arrays, meta = mx.load(str(path), return_metadata=True)
-    except (RuntimeError, ValueError):
-        return {}  # damaged: recomputed
-    return arrays if all(meta.get(k) == v for k, v in key.items()) else {}
+    return out_taps
 
 
 def tap_scale(taps: list[mx.array]) -> mx.array:

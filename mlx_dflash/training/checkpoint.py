@@ -4,6 +4,7 @@ plus the optimizer state and step, each file written beside and renamed into pla
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -13,7 +14,8 @@ from ..models.drafter import DRAFT_VOCAB_FILE, DFlashDrafter, load_drafter, writ
 
 STATE_FILE = "trainer_state.json"
 OPT_FILE = "optimizer.npz"  # not *.safetensors: load_drafter reads those
-TAPS_FILE = "cache/taps.safetensors"  # in a subfolder: load_drafter reads OUT/*.safetensors
+CURVE_FILE = "curve.jsonl"  # tau per evaluation set against training tokens
+TAPS_DIR = "cache/taps"  # in a subfolder: load_drafter reads OUT/*.safetensors
 
 
 def save_checkpoint(out: Path, drafter: DFlashDrafter, opt, step: int, meta: dict) -> None:
@@ -40,7 +42,7 @@ def save_checkpoint(out: Path, drafter: DFlashDrafter, opt, step: int, meta: dic
 
 def atomic_write(path: Path, write) -> None:
     """Write beside, then rename: a crash never leaves a half-written checkpoint file."""
-    tmp = path.parent / ".partial" / path.name
+    tmp = path.parent / f".partial-{os.getpid()}" / path.name  # per process: see TapStore
     tmp.parent.mkdir(exist_ok=True)
     write(str(tmp))
     tmp.replace(path)
@@ -51,8 +53,15 @@ def load_checkpoint(out: Path, num_target_layers: int):
     """(drafter, optimizer state or None, step) from a folder `save_checkpoint` wrote."""
     drafter = load_drafter(out, num_target_layers=num_target_layers)
     state_file = out / STATE_FILE
-    step = json.loads(state_file.read_text())["step"] if state_file.exists() else 0
+    state = json.loads(state_file.read_text()) if state_file.exists() else {}
+    step = state.get("step", 0)
     opt_state = None
     if (out / OPT_FILE).exists():
         opt_state = tree_unflatten(list(mx.load(str(out / OPT_FILE)).items()))
     return drafter, opt_state, step
+
+
+def saved_seen_tokens(out: Path) -> int:
+    """Response tokens trained on before the checkpoint in `out` (0 when not recorded)."""
+    state_file = out / STATE_FILE
+    return json.loads(state_file.read_text()).get("seen_tokens", 0) if state_file.exists() else 0

@@ -9,6 +9,7 @@ interrupted run resumes where it stopped.
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -50,8 +51,13 @@ def batch_generate(
     temps: list[float],
     max_tokens: int,
     stop: set[int],
+    tapper: TapRecorder | None = None,
 ) -> list[list[int]]:
-    """Answer left-padded prompts together with mlx-lm's BatchKVCache; each stops at its EOS."""
+    """Answer left-padded prompts together with mlx-lm's BatchKVCache; each stops at its EOS.
+
+    With a `tapper` the layers run here (not through `model`) so the tapped hidden states the
+    answer passes through anyway are kept: training then needs no second pass over the data.
+    """
     from mlx_lm.models.cache import BatchKVCache
 
     B = len(prompts)
@@ -61,19 +67,22 @@ def batch_generate(
     for i, p in enumerate(prompts):
         rows[i, pad[i] :] = p
     cache = [BatchKVCache(pad) for _ in model.layers]
+    forward = model if tapper is None else tapper.forward
     t = mx.array(temps, dtype=mx.float32)
-    logits = model(mx.array(rows), cache=cache)[:, -1, :]
-    out: list[list[int]] = [[] for _ in range(B)]
     live = np.arange(B)  # the rows still answering, in the cache's current order
+    if tapper is not None:
+        tapper.start(pad, live)
+    logits = forward(mx.array(rows), cache=cache)[:, -1, :]
+    out: list[list[int]] = [[] for _ in range(B)]
     stop_arr = np.array(sorted(stop), dtype=np.int64)
-    for _ in range(max_tokens):
+    for n in range(max_tokens):
         tok = _pick(logits.astype(mx.float32), t)
         mx.eval(tok)
         toks = np.array(tok)
         for j, i in enumerate(live):
             out[i].append(int(toks[j]))
         going = ~np.isin(toks, stop_arr)
-        if not going.any():
+        if not going.any() or n == max_tokens - 1:  # nothing follows the last token
             break
         if not going.all():
             # Finished rows leave the batch: a third of GSM8K answers run to max_tokens, and
@@ -82,8 +91,64 @@ def batch_generate(
             for c in cache:
                 c.filter(keep)
             live, tok, t = live[going], tok[keep], t[keep]
-        logits = model(tok[:, None], cache=cache)[:, -1, :]
+            if tapper is not None:
+                tapper.live = live
+        logits = forward(tok[:, None], cache=cache)[:, -1, :]
     return out
+
+
+class TapRecorder:
+    """Keeps the tapped layers' hidden states of every row while `batch_generate` answers.
+
+    Only for targets whose layers all take one attention mask (llama, qwen2, qwen3, mistral
+    without sliding windows: the families the trainer supports). Each row's taps cover its
+    prompt and every answer token that was fed back; the last token is never fed (nothing
+    follows it), and its taps, which no training block reads (context stops before the
+    anchor), are left as zeros.
+    """
+
+    def __init__(self, target, tap_ids):
+        self.target, self.tap_ids = target, list(tap_ids)
+        self.keep = set(self.tap_ids)
+
+    @staticmethod
+    def supports(target) -> bool:
+        inner = target.inner
+        return getattr(inner, "swa_idx", None) is None and all(
+            hasattr(layer, "self_attn") for layer in target.layers
+        )
+
+    def start(self, pad: list[int], live: np.ndarray) -> None:
+        self.pad, self.live, self.rows = pad, live, None
+
+    def forward(self, tokens: mx.array, cache: list) -> mx.array:
+        from mlx_lm.models.base import create_attention_mask
+
+        target = self.target
+        h = target.embed(tokens)
+        mask = create_attention_mask(h, cache[0])
+        tapped = {}
+        for i, (layer, c) in enumerate(zip(target.layers, cache, strict=True)):
+            h = layer(h, mask, cache=c)
+            if i in self.keep:
+                tapped[i] = h
+        taps = mx.concatenate([tapped[i] for i in self.tap_ids], axis=-1).astype(mx.float16)
+        logits = target.lm_head(target.inner.norm(h[:, -1:]))
+        mx.eval(taps, logits)
+        taps = np.array(taps)
+        if self.rows is None:  # the prompts' prefill: drop each row's left padding
+            self.rows = [[taps[i, p:]] for i, p in enumerate(self.pad)]
+        else:
+            for j, i in enumerate(self.live):
+                self.rows[i].append(taps[j])
+        return logits
+
+    def row(self, i: int, length: int) -> np.ndarray:
+        """Row i's taps for a sequence of `length` tokens (zeros where none were computed)."""
+        x = np.concatenate([np.atleast_2d(a) for a in self.rows[i]])[:length]
+        if x.shape[0] < length:
+            x = np.concatenate([x, np.zeros((length - x.shape[0], x.shape[1]), x.dtype)])
+        return x
 
 
 def done_ids(shard: Path) -> set[int]:
@@ -109,8 +174,15 @@ def answer_prompts(
     batch: int = 32,
     seed: int = 0,
     on_batch: Callable[[int], None] | None = None,
+    tap_ids=None,
 ) -> Path:
-    """Answer every prompt not yet in `shard` with the target; prompt i uses temps[i % len]."""
+    """Answer every prompt not yet in `shard` with the target; prompt i uses temps[i % len].
+
+    With `tap_ids` each batch's taps are also written to the tap store beside the shard
+    (`batches.TapStore`), keyed by prompt id, as training reads them.
+    """
+    from .batches import TapStore
+
     shard = Path(shard)
     shard.parent.mkdir(parents=True, exist_ok=True)
     skip = done_ids(shard)
@@ -121,11 +193,23 @@ def answer_prompts(
     encoded = {i: encode(tok, prompts[i]) for i in todo}
     # Similar lengths together: less padding.
     todo.sort(key=lambda i: len(encoded[i]))
+    tapper = store = None
+    if tap_ids is not None and TapRecorder.supports(target):
+        tapper, store = TapRecorder(target, tap_ids), TapStore(shard.parent, tap_ids)
     with shard.open("a") as f:
         for b in range(0, len(todo), batch):
             ids = todo[b : b + batch]
             ts = [float(temps[i % len(temps)]) for i in ids]
-            answers = batch_generate(target.model, [encoded[i] for i in ids], ts, max_tokens, stop)
+            answers = batch_generate(
+                target.model, [encoded[i] for i in ids], ts, max_tokens, stop, tapper
+            )
+            if store is not None:  # before the answers: an answer in the shard has its taps
+                store.add(
+                    {
+                        str(i): tapper.row(j, len(encoded[i]) + len(ans))
+                        for j, (i, ans) in enumerate(zip(ids, answers, strict=True))
+                    }
+                )
             for i, t, ans in zip(ids, ts, answers, strict=True):
                 rec = {"id": i, "prompt_len": len(encoded[i]), "temp": t}
                 rec["tokens"] = encoded[i] + ans
@@ -157,17 +241,30 @@ def story_prompts(target, n: int, seed: int = 0, batch: int = 64, max_words: int
     return out[:n]
 
 
-def load_records(paths: Iterable[str | Path], min_response: int = 2) -> list[dict]:
-    """Answered records from shards, keeping those with a response long enough to train on."""
+def load_records(
+    paths: Iterable[str | Path], min_response: int = 2, own: str | Path | None = None
+) -> list[dict]:
+    """Answered records from shards (.jsonl or .jsonl.gz), keeping those with a response long
+    enough to train on.
+
+    With `own` (the run's own answers), records of the other shards are keyed "<folder>/<id>"
+    in the tap store, since every shard numbers its prompts from 0.
+    """
     recs = []
     for path in paths:
-        for line in Path(path).read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if len(rec["tokens"]) - rec["prompt_len"] >= min_response:
-                recs.append(rec)
+        path = Path(path)
+        opener = gzip.open if path.suffix == ".gz" else open
+        prefix = "" if own is None or path == Path(own) else f"{path.parent.name}/"
+        with opener(path, "rt") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if len(rec["tokens"]) - rec["prompt_len"] >= min_response:
+                    if prefix:
+                        rec["key"] = f"{prefix}{rec['id']}"
+                    recs.append(rec)
     if not recs:
         raise DFlashError("No usable training records (answered prompts) were found.")
     return recs

@@ -28,7 +28,7 @@ from ..paths import DEFAULT_TARGET
 from ..progress import progress
 from ..prompts import stop_ids
 from .batches import cache_all_taps, loss_vocabulary, make_batch, tap_scale, usable
-from .checkpoint import TAPS_FILE, save_checkpoint
+from .checkpoint import CURVE_FILE, save_checkpoint
 from .data import answer_prompts, done_ids, eos_ids, read_prompts, story_prompts
 from .forward import block_loss, metrics
 
@@ -159,7 +159,11 @@ class Trainer:
     cfg: TrainConfig
     out: Path | None = None
     eval_prompts: list[list[int]] = field(default_factory=list)
+    # Named prompt sets measured beside the held-out prompts at every evaluation (the
+    # benchmark sets: does the drafter generalise beyond its data?), logged to OUT/curve.jsonl.
+    eval_sets: dict[str, list[list[int]]] = field(default_factory=dict)
     step: int = 0
+    seen_tokens: int = 0  # response tokens of the sequences trained on so far (with repeats)
     opt_state: dict | None = None
     history: list[dict] = field(default_factory=list)
     fresh: bool = False  # a new random drafter: its fc init is drawn in the preconditioned space
@@ -173,8 +177,7 @@ class Trainer:
             raise DFlashError(f"--loss-vocab is 'full' or 'corpus', not '{self.cfg.loss_vocab}'.")
         self.taps = None
         if self.cfg.cache_taps:
-            path = None if self.out is None else self.out / TAPS_FILE
-            self.taps = cache_all_taps(self.target, self.records, self.cfg.max_len, path=path)
+            self.taps = cache_all_taps(self.target, self.records, self.cfg.max_len, out=self.out)
         self.vocab = None
         if self.cfg.loss_vocab == "corpus":
             self.vocab = loss_vocabulary(self.records, self.cfg.max_len)
@@ -217,6 +220,7 @@ class Trainer:
     def train_step(self) -> dict:
         """One update; with preconditioning, in the scaled space (see `tap_scale`), and back."""
         batch = self.batch(self.step)
+        response_tokens = batch.pop("response_tokens")
         fc = self.drafter.fc
         if self.scale is not None:
             batch["taps"] = batch["taps"] * self.scale
@@ -228,6 +232,7 @@ class Trainer:
             fc.weight = fc.weight * self.scale
         mx.eval(loss, hits, valid, norm, self.drafter.parameters(), self.opt.state)
         self.step += 1
+        self.seen_tokens += response_tokens
         return metrics(loss, hits, valid, norm)
 
     def evaluate(self) -> dict | None:
@@ -235,9 +240,20 @@ class Trainer:
             return None
         return eval_tau(self.drafter, self.target, self.eval_prompts, self.cfg.eval_tokens)
 
+    def evaluate_sets(self) -> dict[str, dict]:
+        """Mean tau on each named set (see `eval_sets`)."""
+        return {
+            name: eval_tau(self.drafter, self.target, prompts, self.cfg.eval_tokens)
+            for name, prompts in self.eval_sets.items()
+        }
+
     def save(self) -> None:
         if self.out is not None:
-            meta = {"config": asdict(self.cfg), "history": self.history[-50:]}
+            meta = {
+                "config": asdict(self.cfg),
+                "history": self.history[-50:],
+                "seen_tokens": self.seen_tokens,
+            }
             save_checkpoint(self.out, self.drafter, self.opt, self.step, meta)
 
     def run(self, show: bool = True) -> list[dict]:
@@ -245,6 +261,8 @@ class Trainer:
         with progress(eta=True, info=True, show=show, transient=False) as bar:
             task = bar.add_task("train", total=self.cfg.steps, completed=self.step, info="")
             t0 = time.perf_counter()
+            if self.cfg.eval_every and self.step == 0 and self.eval_sets:
+                self._eval_line(bar)  # where the curve starts
             while self.step < self.cfg.steps:
                 m = self.train_step()
                 m["step"] = self.step
@@ -263,14 +281,30 @@ class Trainer:
 
     def _eval_line(self, bar) -> dict:
         ev = self.evaluate()
-        if ev is None:
-            return {}
-        hist = " ".join(f"{k}:{v}" for k, v in ev["histogram"].items())
-        bar.console.print(
-            f"step {self.step}: eval tau {ev['tau']:.2f} "
-            f"(per response {ev['tau_per_response']:.2f}, {ev['rounds']} rounds) [{hist}]"
-        )
-        return {"eval_tau": ev["tau"], "eval_tau_per_response": ev["tau_per_response"]}
+        line = {}
+        if ev is not None:
+            hist = " ".join(f"{k}:{v}" for k, v in ev["histogram"].items())
+            bar.console.print(
+                f"step {self.step}: eval tau {ev['tau']:.2f} "
+                f"(per response {ev['tau_per_response']:.2f}, {ev['rounds']} rounds) [{hist}]"
+            )
+            line = {"eval_tau": ev["tau"], "eval_tau_per_response": ev["tau_per_response"]}
+        sets = self.evaluate_sets()
+        if sets:
+            taus = {name: round(r["tau"], 4) for name, r in sets.items()}
+            bar.console.print(
+                f"step {self.step}: tau by set "
+                + ", ".join(f"{name} {tau:.2f}" for name, tau in taus.items())
+            )
+            line["eval_sets"] = taus
+        if line and self.out is not None:
+            point = {"step": self.step, "seen_tokens": self.seen_tokens}
+            point.update({"held-out": line["eval_tau"]} if "eval_tau" in line else {})
+            point.update(line.get("eval_sets", {}))
+            self.out.mkdir(parents=True, exist_ok=True)
+            with (self.out / CURVE_FILE).open("a") as f:
+                f.write(json.dumps(point) + "\n")
+        return line
 
 
 def _info(m: dict) -> str:
@@ -298,8 +332,18 @@ def prepare_prompts(
     return prompts
 
 
-def answer(target, prompts: list[str], shard: Path, temps, max_tokens: int, batch: int, seed: int):
-    """Answer the prompts not yet in the shard, with a progress bar."""
+def answer(
+    target,
+    prompts: list[str],
+    shard: Path,
+    temps,
+    max_tokens: int,
+    batch: int,
+    seed: int,
+    tap_ids=None,
+):
+    """Answer the prompts not yet in the shard, with a progress bar (and keep the taps of
+    `tap_ids` while at it: see `answer_prompts`)."""
     done = len(done_ids(shard) & set(range(len(prompts))))
     with progress(info=True, show=True, transient=False) as bar:
         task = bar.add_task("answer", total=len(prompts), completed=done, info="")
@@ -312,6 +356,7 @@ def answer(target, prompts: list[str], shard: Path, temps, max_tokens: int, batc
             batch=batch,
             seed=seed,
             on_batch=lambda k: bar.advance(task, k),
+            tap_ids=tap_ids,
         )
 
 
