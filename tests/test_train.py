@@ -18,10 +18,12 @@ from mlx_dflash.training.batches import (
     loss_vocabulary,
     make_batch,
     record_key,
+    soft_targets,
     tap_scale,
 )
 from mlx_dflash.training.checkpoint import CURVE_FILE, TAPS_DIR, load_checkpoint
 from mlx_dflash.training.data import (
+    SOFT_TOP_K,
     answer_prompts,
     batch_generate,
     encode,
@@ -131,7 +133,7 @@ def test_checkpoint_converts_loads_and_resumes(target, data, tmp_path):
 def _batch_with_vocab(target, recs, vocab):
     rng = np.random.default_rng(0)
     batch = make_batch(recs[:4], rng, TrainConfig(anchors=6), target)
-    lookup = np.zeros(target.vocab_size, dtype=np.int32)
+    lookup = np.full(target.vocab_size, -1, dtype=np.int32)
     lookup[vocab] = np.arange(len(vocab))
     return batch, {**batch, "vocab": mx.array(vocab), "lookup": mx.array(lookup)}
 
@@ -279,7 +281,7 @@ def test_taps_kept_while_answering(target, tmp_path, monkeypatch):
     recs = load_records([shard])
     assert len({len(r["tokens"]) for r in recs}) > 1  # some stopped early
     stored = TapStore(tmp_path, [1, 3]).load()
-    assert sorted(stored) == sorted(str(r["id"]) for r in recs)
+    assert sorted(k for k in stored if "." not in k) == sorted(str(r["id"]) for r in recs)
     for r in recs:
         got = stored[str(r["id"])].astype(mx.float32)
         ref = target_taps(target, mx.array([r["tokens"]]))[0]
@@ -288,9 +290,64 @@ def test_taps_kept_while_answering(target, tmp_path, monkeypatch):
         assert mx.allclose(got[:-1], ref[:-1], atol=2e-2, rtol=1e-2), r["id"]
         assert not mx.any(got[-1]).item()
 
+    # The soft targets: entry j is the target's top-k of the distribution answer token j was
+    # drawn from (a greedy answer's token is its top entry).
+    soft = soft_targets(recs, tmp_path, [1, 3])
+    for r, (ids, logp) in zip(recs, soft, strict=True):
+        n = len(r["tokens"]) - r["prompt_len"]
+        assert ids.shape == logp.shape == (n, SOFT_TOP_K)
+        full = target.model(mx.array([r["tokens"]]))[0, r["prompt_len"] - 1 : -1]
+        full = full - mx.logsumexp(full, axis=-1, keepdims=True)
+        want = mx.take_along_axis(full, mx.array(ids), axis=-1)
+        assert mx.allclose(mx.array(logp), want, atol=2e-2), r["id"]
+        assert (mx.topk(full, SOFT_TOP_K, axis=-1).min(axis=-1) <= want.min(axis=-1) + 1e-3).all()
+        if r["temp"] == 0:
+            answer = r["tokens"][r["prompt_len"] :]
+            assert [int(i[np.argmax(lp)]) for i, lp in zip(ids, logp, strict=True)] == answer
+
     monkeypatch.setattr(train_mod, "target_taps", lambda *a, **k: 1 / 0)
     taps = cache_all_taps(target, recs, 512, out=tmp_path)  # no second pass
     assert [t.shape[0] for t in taps] == [len(r["tokens"]) for r in recs]
+
+
+def test_distillation_loss(target, data):
+    """kl_weight w mixes, per slot, the answer token's cross-entropy with the cross-entropy
+    against the target's soft targets: one-hot soft targets change nothing, and half the mass
+    on the answer token and half on another id gives the mean of both cross-entropies."""
+    import mlx.nn as nn
+
+    from mlx_dflash.training.forward import slot_weights
+
+    recs, _, _ = data
+    drafter = init_drafter(small_cfg(target), seed=4)
+    target.set_taps(drafter.cfg.target_layer_ids)
+    cfg = TrainConfig(anchors=6)
+
+    def batch_with(logp_row):
+        soft = []
+        for r in recs[:4]:
+            answer = np.array(r["tokens"][r["prompt_len"] :], dtype=np.int32)
+            ids = np.stack([answer, (answer + 1) % 500, (answer + 2) % 500], axis=1)
+            soft.append((ids, np.tile(np.array(logp_row, np.float32), (len(answer), 1))))
+        return make_batch(recs[:4], np.random.default_rng(0), cfg, target, soft=soft)
+
+    plain = make_batch(recs[:4], np.random.default_rng(0), cfg, target)
+    base = block_loss(drafter, target, plain, 7.0)[0].item()
+    one_hot = batch_with([0.0, -np.inf, -np.inf])
+    assert abs(block_loss(drafter, target, one_hot, 7.0, kl_weight=0.7)[0].item() - base) < 1e-5
+
+    # The other cross-entropy by hand: the same blocks, labels shifted to the next id.
+    h = drafter_blocks(drafter, target, plain["taps"], plain["tokens"], plain["anchors"])
+    logits = drafter_logits(drafter.cfg, target, h[:, :, 1:]).astype(mx.float32)
+    pos = plain["anchors"][..., None] + mx.arange(1, drafter.cfg.block_size)
+    T = plain["tokens"].shape[1]
+    labels = mx.take_along_axis(plain["tokens"], mx.minimum(pos, T - 1).reshape(4, -1), axis=1)
+    ce_next = nn.losses.cross_entropy(logits, ((labels + 1) % 500).reshape(pos.shape))
+    w = slot_weights(drafter.cfg.block_size, 7.0) * (pos < plain["lengths"][:, None, None])
+    other = ((ce_next * w).sum() / w.sum()).item()
+    halves = batch_with([np.log(0.5), np.log(0.5), -np.inf])
+    got = block_loss(drafter, target, halves, 7.0, kl_weight=1.0)[0].item()
+    assert abs(got - 0.5 * (base + other)) < 1e-4
 
 
 def test_records_from_several_runs(target, data, tmp_path):
@@ -360,12 +417,15 @@ def test_train_command_end_to_end(run_cli, tmp_path):
     assert len(answers.splitlines()) == 8
     # Taps were kept while answering: one shard per answered batch, every answer in it.
     store = TapStore(out, [2]).load()
-    assert sorted(store) == sorted(str(json.loads(x)["id"]) for x in answers.splitlines())
+    ids = sorted(str(json.loads(x)["id"]) for x in answers.splitlines())
+    assert sorted(k for k in store if "." not in k) == ids
 
-    # Resumed on the same answers plus another run's, with a tau curve on two sets.
+    # Resumed on the same answers plus another run's, distilled from the soft targets kept
+    # while answering, with a tau curve on two sets.
     code, stdout, err = run_cli("train", *common, "--no-gen", "--resume", "--steps", "3",
                                 "--answers", out / "answers.jsonl", "--eval-every", "1",
-                                "--eval-set", "mixed:2", "--eval-set", "copy:1")  # fmt: skip
+                                "--eval-set", "mixed:2", "--eval-set", "copy:1",
+                                "--kl-weight", "0.5")  # fmt: skip
     assert code == 0, err
     assert (out / "answers.jsonl").read_text() == answers
     state = json.loads((out / "trainer_state.json").read_text())

@@ -94,6 +94,14 @@ def train_command(
         "random others (much faster with a large vocabulary).",
     ),
     negatives: int = typer.Option(1024, "--negatives", min=0, help="See --loss-vocab."),
+    kl_weight: float = typer.Option(
+        0.0,
+        "--kl-weight",
+        min=0.0,
+        max=1.0,
+        help="Distillation: weight of the target's own top-k distribution (kept while "
+        "answering with --cache-taps) against the answer token in each slot's loss.",
+    ),
     precondition: bool = typer.Option(
         True, "--precondition/--no-precondition", help="Scale tap features to equal size for fc."
     ),
@@ -178,6 +186,7 @@ def train_command(
         loss_vocab=loss_vocab,
         negatives=negatives,
         precondition=precondition,
+        kl_weight=kl_weight,
     )
     records = load_records([shard, *answers], own=shard)
     if cache_taps is None:

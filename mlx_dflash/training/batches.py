@@ -14,6 +14,7 @@ import numpy as np
 
 from ..progress import progress
 from .checkpoint import TAPS_DIR, atomic_write
+from .data import SOFT_IDS, SOFT_LOGP
 from .forward import target_taps
 
 if TYPE_CHECKING:
@@ -21,11 +22,13 @@ if TYPE_CHECKING:
 
 
 def make_batch(
-    recs: list[dict], rng: np.random.Generator, cfg: TrainConfig, target, taps=None
+    recs: list[dict], rng: np.random.Generator, cfg: TrainConfig, target, taps=None, soft=None
 ) -> dict:
     """Right-padded sequences, their taps, and `anchors` random anchors inside each response.
 
-    `taps`: the records' cached taps (each (len, n*H)), else computed here.
+    `taps`: the records' cached taps (each (len, n*H)), else computed here. `soft`: per
+    record, its soft targets (`soft_targets`) or None; they become "soft_ids" / "soft_logp"
+    (B, T, k), position p holding the distribution token p was drawn from (-inf: none).
     """
     seqs = [r["tokens"][: cfg.max_len] for r in recs]
     T = max(len(s) for s in seqs)
@@ -42,7 +45,18 @@ def make_batch(
     else:
         taps = mx.stack([mx.pad(x, [(0, T - x.shape[0]), (0, 0)]) for x in taps])
         taps = taps.astype(mx.float32)
-    return {
+    batch = {}
+    if soft is not None:
+        k = next((x[0].shape[1] for x in soft if x is not None), 1)
+        ids = np.zeros((len(seqs), T, k), dtype=np.int32)
+        logp = np.full((len(seqs), T, k), -np.inf, dtype=np.float32)
+        for i, (s, r, x) in enumerate(zip(seqs, recs, soft, strict=True)):
+            if x is not None:
+                lo = r["prompt_len"]
+                n = min(len(s) - lo, x[0].shape[0])
+                ids[i, lo : lo + n], logp[i, lo : lo + n] = x[0][:n], x[1][:n]
+        batch = {"soft_ids": mx.array(ids), "soft_logp": mx.array(logp)}
+    return batch | {
         "tokens": tok,
         "anchors": mx.array(anchors),
         "lengths": mx.array([len(s) for s in seqs], dtype=mx.int32),
@@ -85,6 +99,19 @@ class TapStore:
             if meta.get("taps") == self.tag:
                 out.update(arrays)
         return out
+
+
+def soft_targets(recs: list[dict], out: Path, tap_ids) -> list[tuple | None]:
+    """Each record's soft targets from the tap store (kept while answering), else None:
+    (top ids (answer_len, k), their log-probs) as numpy arrays."""
+    saved = TapStore(out, tap_ids).load()
+    found = []
+    for r in recs:
+        key = record_key(r)
+        ids, logp = saved.get(key + SOFT_IDS), saved.get(key + SOFT_LOGP)
+        ok = ids is not None and logp is not None
+        found.append((np.array(ids), np.array(logp.astype(mx.float32))) if ok else None)
+    return found
 
 
 def record_key(rec: dict) -> str:

@@ -45,6 +45,12 @@ def _pick(logits: mx.array, temps: mx.array) -> mx.array:
     return mx.where(temps > 0, sampled, greedy)
 
 
+# Soft targets kept per answer token while answering (see TapRecorder), stored in the tap
+# store beside each record's taps under these key suffixes.
+SOFT_TOP_K = 8
+SOFT_IDS, SOFT_LOGP = ".top_ids", ".top_logp"
+
+
 def batch_generate(
     model,
     prompts: list[list[int]],
@@ -107,8 +113,8 @@ class TapRecorder:
     anchor), are left as zeros.
     """
 
-    def __init__(self, target, tap_ids):
-        self.target, self.tap_ids = target, list(tap_ids)
+    def __init__(self, target, tap_ids, top_k: int = SOFT_TOP_K):
+        self.target, self.tap_ids, self.top_k = target, list(tap_ids), top_k
         self.keep = set(self.tap_ids)
 
     @staticmethod
@@ -134,14 +140,28 @@ class TapRecorder:
                 tapped[i] = h
         taps = mx.concatenate([tapped[i] for i in self.tap_ids], axis=-1).astype(mx.float16)
         logits = target.lm_head(target.inner.norm(h[:, -1:]))
-        mx.eval(taps, logits)
-        taps = np.array(taps)
+        # The distribution the next answer token is drawn from, as its top_k log-probabilities:
+        # soft targets for distillation, free here, a full forward pass later.
+        logp = logits[:, 0].astype(mx.float32)
+        logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
+        top = mx.argpartition(-logp, self.top_k - 1, axis=-1)[:, : self.top_k]
+        top_logp = mx.take_along_axis(logp, top, axis=-1).astype(mx.float16)
+        mx.eval(taps, logits, top, top_logp)
+        taps, top, top_logp = np.array(taps), np.array(top), np.array(top_logp)
         if self.rows is None:  # the prompts' prefill: drop each row's left padding
             self.rows = [[taps[i, p:]] for i, p in enumerate(self.pad)]
+            self.soft = [[(top[i], top_logp[i])] for i in range(len(self.pad))]
         else:
             for j, i in enumerate(self.live):
                 self.rows[i].append(taps[j])
+                self.soft[i].append((top[j], top_logp[j]))
         return logits
+
+    def soft_targets(self, i: int, answer_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """Row i's (top ids (answer_len, k) int32, their log-probs float16): entry j is the
+        distribution answer token j was drawn from."""
+        ids, logp = zip(*self.soft[i][:answer_len], strict=True)
+        return np.stack(ids).astype(np.int32), np.stack(logp)
 
     def row(self, i: int, length: int) -> np.ndarray:
         """Row i's taps for a sequence of `length` tokens (zeros where none were computed)."""
@@ -178,7 +198,8 @@ def answer_prompts(
 ) -> Path:
     """Answer every prompt not yet in `shard` with the target; prompt i uses temps[i % len].
 
-    With `tap_ids` each batch's taps are also written to the tap store beside the shard
+    With `tap_ids` each batch's taps, and the target's top-k log-probabilities at every answer
+    token (soft targets), are also written to the tap store beside the shard
     (`batches.TapStore`), keyed by prompt id, as training reads them.
     """
     from .batches import TapStore
@@ -204,12 +225,12 @@ def answer_prompts(
                 target.model, [encoded[i] for i in ids], ts, max_tokens, stop, tapper
             )
             if store is not None:  # before the answers: an answer in the shard has its taps
-                store.add(
-                    {
-                        str(i): tapper.row(j, len(encoded[i]) + len(ans))
-                        for j, (i, ans) in enumerate(zip(ids, answers, strict=True))
-                    }
-                )
+                arrays = {}
+                for j, (i, ans) in enumerate(zip(ids, answers, strict=True)):
+                    arrays[str(i)] = tapper.row(j, len(encoded[i]) + len(ans))
+                    top, top_logp = tapper.soft_targets(j, len(ans))
+                    arrays[f"{i}{SOFT_IDS}"], arrays[f"{i}{SOFT_LOGP}"] = top, top_logp
+                store.add(arrays)
             for i, t, ans in zip(ids, ts, answers, strict=True):
                 rec = {"id": i, "prompt_len": len(encoded[i]), "temp": t}
                 rec["tokens"] = encoded[i] + ans

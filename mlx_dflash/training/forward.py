@@ -141,12 +141,17 @@ def slot_weights(bs: int, gamma: float) -> mx.array:
     return mx.exp(-(k - 1) / gamma)
 
 
-def block_loss(drafter, target, batch: dict, gamma: float):
+def block_loss(drafter, target, batch: dict, gamma: float, kl_weight: float = 0.0):
     """Position-decayed cross-entropy over all blocks; also per-slot hits for the metrics.
 
     With `batch["vocab"]` the softmax runs over that sub-vocabulary only (every label is in
-    it; `batch["lookup"]` maps token ids to its rows): a 49K-word LM head otherwise costs more
-    than the whole drafter on a CPU.
+    it; `batch["lookup"]` maps token ids to its rows, -1 when absent): a 49K-word LM head
+    otherwise costs more than the whole drafter on a CPU.
+
+    kl_weight > 0 (distillation): where the batch has the target's soft targets (its top-k
+    log-probabilities, renormalised over the ids in the loss vocabulary), each slot's loss is
+    (1 - w) * cross-entropy against the answer token + w * cross-entropy against that
+    distribution (its KL divergence up to the target's entropy, a constant).
     """
     cfg = drafter.cfg
     bs = cfg.block_size
@@ -163,9 +168,30 @@ def block_loss(drafter, target, batch: dict, gamma: float):
     valid = (pos < lengths[:, None, None]).astype(mx.float32)
     w = slot_weights(bs, gamma) * valid
     ce = nn.losses.cross_entropy(logits, labels)
+    if kl_weight > 0 and "soft_ids" in batch:
+        ce = _with_soft_targets(ce, logits, batch, pos, kl_weight)
     loss = (ce * w).sum() / mx.maximum(w.sum(), 1.0)
     hits = (mx.argmax(logits, axis=-1) == labels).astype(mx.float32) * valid
     return loss, (mx.stop_gradient(hits), valid)
+
+
+def _with_soft_targets(ce, logits, batch, pos, kl_weight: float):
+    """(1 - w) * ce + w * cross-entropy against the target's top-k distribution, per slot."""
+    B, m, n = pos.shape
+    T = batch["tokens"].shape[1]
+    flat = mx.minimum(pos, T - 1).reshape(B, m * n)
+    k = batch["soft_ids"].shape[-1]
+    ids = mx.take_along_axis(batch["soft_ids"], flat[..., None], axis=1).reshape(B, m, n, k)
+    logp = mx.take_along_axis(batch["soft_logp"], flat[..., None], axis=1).reshape(B, m, n, k)
+    if "lookup" in batch:
+        ids = batch["lookup"][ids]
+        logp = mx.where(ids >= 0, logp, -mx.inf)
+        ids = mx.maximum(ids, 0)
+    has = mx.isfinite(logp).any(axis=-1)
+    p = mx.softmax(mx.where(has[..., None], logp, 0.0), axis=-1, precise=True)
+    logq = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    soft = -(p * mx.take_along_axis(logq, ids, axis=-1)).sum(axis=-1)
+    return mx.where(has, (1 - kl_weight) * ce + kl_weight * soft, ce)
 
 
 def metrics(loss, hits, valid, norm) -> dict:

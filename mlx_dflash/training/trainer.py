@@ -27,7 +27,14 @@ from ..models.target import load_target
 from ..paths import DEFAULT_TARGET
 from ..progress import progress
 from ..prompts import stop_ids
-from .batches import cache_all_taps, loss_vocabulary, make_batch, tap_scale, usable
+from .batches import (
+    cache_all_taps,
+    loss_vocabulary,
+    make_batch,
+    soft_targets,
+    tap_scale,
+    usable,
+)
 from .checkpoint import CURVE_FILE, save_checkpoint
 from .data import answer_prompts, done_ids, eos_ids, read_prompts, story_prompts
 from .forward import block_loss, metrics
@@ -53,6 +60,7 @@ class TrainConfig:
     loss_vocab: str = "full"  # "corpus": softmax over the response tokens + sampled negatives
     precondition: bool = True  # train fc on taps scaled to unit mean |x| per feature
     negatives: int = 1024
+    kl_weight: float = 0.0  # distillation: weight of the target's soft targets in each slot
 
 
 def new_drafter_config(
@@ -178,6 +186,16 @@ class Trainer:
         self.taps = None
         if self.cfg.cache_taps:
             self.taps = cache_all_taps(self.target, self.records, self.cfg.max_len, out=self.out)
+        self.soft = None
+        if self.cfg.kl_weight > 0:
+            if self.out is None:
+                raise DFlashError("Distillation (--kl-weight) reads soft targets from --out.")
+            self.soft = soft_targets(self.records, self.out, self.target.tap_ids)
+            if not any(x is not None for x in self.soft):
+                raise DFlashError(
+                    "--kl-weight needs soft targets, kept while answering with --cache-taps; "
+                    "these answers have none."
+                )
         self.vocab = None
         if self.cfg.loss_vocab == "corpus":
             self.vocab = loss_vocabulary(self.records, self.cfg.max_len)
@@ -200,7 +218,7 @@ class Trainer:
         return [b["taps"][i, :n] for i, n in enumerate(b["lengths"].tolist())]
 
     def _loss(self, model, batch):
-        return block_loss(model, self.target, batch, self.cfg.gamma)
+        return block_loss(model, self.target, batch, self.cfg.gamma, self.cfg.kl_weight)
 
     def batch(self, step: int) -> dict:
         """Deterministic in (seed, step), so a resumed run sees the batches it would have."""
@@ -208,11 +226,12 @@ class Trainer:
         n = len(self.records)
         idx = rng.choice(n, size=self.cfg.batch, replace=n < self.cfg.batch)
         taps = None if self.taps is None else [self.taps[i] for i in idx]
-        batch = make_batch([self.records[i] for i in idx], rng, self.cfg, self.target, taps)
+        soft = None if self.soft is None else [self.soft[i] for i in idx]
+        batch = make_batch([self.records[i] for i in idx], rng, self.cfg, self.target, taps, soft)
         if self.vocab is not None:
             k = min(self.cfg.negatives, len(self.others))
             vocab = np.concatenate([self.vocab, rng.choice(self.others, size=k, replace=False)])
-            lookup = np.zeros(self.target.vocab_size, dtype=np.int32)
+            lookup = np.full(self.target.vocab_size, -1, dtype=np.int32)
             lookup[vocab] = np.arange(len(vocab))
             batch["vocab"], batch["lookup"] = mx.array(vocab), mx.array(lookup)
         return batch
