@@ -310,6 +310,24 @@ def test_taps_kept_while_answering(target, tmp_path, monkeypatch):
     assert [t.shape[0] for t in taps] == [len(r["tokens"]) for r in recs]
 
 
+def test_soft_targets_for_answers_made_without(target, data, tmp_path):
+    """Answers made without soft targets get them from the tap pass (with_soft): the target's
+    top-k log-probabilities at each answer token, as the answerer would have kept them."""
+    recs, _, _ = data
+    target.set_taps([1, 3])
+    assert soft_targets(recs[:5], tmp_path, [1, 3]) == [None] * 5
+    taps = cache_all_taps(target, recs[:5], 512, group=2, out=tmp_path, with_soft=True)
+    for r, x, (ids, logp) in zip(recs[:5], taps, soft_targets(recs[:5], tmp_path, [1, 3]),
+                                 strict=True):  # fmt: skip
+        assert x.shape[0] == len(r["tokens"])
+        assert ids.shape == (len(r["tokens"]) - r["prompt_len"], SOFT_TOP_K)
+        full = target.model(mx.array([r["tokens"]]))[0, r["prompt_len"] - 1 : -1]
+        full = full - mx.logsumexp(full, axis=-1, keepdims=True)
+        assert mx.allclose(mx.array(logp), mx.take_along_axis(full, mx.array(ids), -1), atol=2e-2)
+        best = np.argsort(-np.array(full), axis=-1)[:, :SOFT_TOP_K]
+        assert (np.sort(ids, axis=-1) == np.sort(best, axis=-1)).mean() > 0.99  # ties aside
+
+
 def test_distillation_loss(target, data):
     """kl_weight w mixes, per slot, the answer token's cross-entropy with the cross-entropy
     against the target's soft targets: one-hot soft targets change nothing, and half the mass

@@ -14,8 +14,8 @@ import numpy as np
 
 from ..progress import progress
 from .checkpoint import TAPS_DIR, atomic_write
-from .data import SOFT_IDS, SOFT_LOGP
-from .forward import target_taps
+from .data import SOFT_IDS, SOFT_LOGP, SOFT_TOP_K
+from .forward import target_taps, top_logprobs
 
 if TYPE_CHECKING:
     from .trainer import TrainConfig
@@ -121,12 +121,19 @@ def record_key(rec: dict) -> str:
 
 
 def cache_all_taps(
-    target, recs: list[dict], max_len: int, group: int = 16, out: Path | None = None
+    target,
+    recs: list[dict],
+    max_len: int,
+    group: int = 16,
+    out: Path | None = None,
+    with_soft: bool = False,
 ) -> list[mx.array]:
     """Every record's taps (truncated to max_len), once: groups of similar length share a pass.
 
     With `out` they are read from and added to its tap store (`TapStore`), so taps made while
-    answering, by an earlier run or by a resumed one are never computed again.
+    answering, by an earlier run or by a resumed one are never computed again. with_soft:
+    records without soft targets (answered before they were kept) get them too, from a pass
+    through every layer (`soft_targets` then finds them).
     """
     store = TapStore(out, target.tap_ids) if out is not None else None
     saved = store.load() if store is not None else {}
@@ -136,13 +143,17 @@ def cache_all_taps(
         n = min(len(r["tokens"]), max_len)
         # None too for a record that changed since its taps were written.
         out_taps.append(x[:n] if x is not None and x.shape[0] >= n else None)
-    todo = sorted(
-        (i for i, x in enumerate(out_taps) if x is None), key=lambda i: len(recs[i]["tokens"])
-    )
+    todo = [
+        i
+        for i, x in enumerate(out_taps)
+        if x is None or (with_soft and record_key(recs[i]) + SOFT_IDS not in saved)
+    ]
+    todo.sort(key=lambda i: len(recs[i]["tokens"]))
     if not todo:
         return out_taps
+    label = "target taps and soft targets" if with_soft else "target taps"
     with progress(info=True, show=out is not None, transient=False) as bar:
-        task = bar.add_task("target taps", total=len(todo), info="")
+        task = bar.add_task(label, total=len(todo), info="")
         for g in range(0, len(todo), group):
             idx = todo[g : g + group]
             seqs = [recs[i]["tokens"][:max_len] for i in idx]
@@ -150,12 +161,25 @@ def cache_all_taps(
             rows = np.zeros((len(seqs), T), dtype=np.int32)
             for j, s in enumerate(seqs):
                 rows[j, : len(s)] = s
-            taps = target_taps(target, mx.array(rows)).astype(mx.float16)
-            mx.eval(taps)
+            arrays = {}
+            if with_soft:
+                taps, h = target_taps(target, mx.array(rows), final=True)
+                for j, i in enumerate(idx):
+                    key, lo = record_key(recs[i]), recs[i]["prompt_len"]
+                    # Position p's distribution is that of token p + 1.
+                    top, logp = top_logprobs(
+                        target.lm_head(h[j, lo - 1 : len(seqs[j]) - 1]), SOFT_TOP_K
+                    )
+                    arrays[key + SOFT_IDS], arrays[key + SOFT_LOGP] = top, logp.astype(mx.float16)
+            else:
+                taps = target_taps(target, mx.array(rows))
+            taps = taps.astype(mx.float16)
+            mx.eval(taps, arrays)
             for j, i in enumerate(idx):
                 out_taps[i] = taps[j, : len(seqs[j])]
+                arrays[record_key(recs[i])] = out_taps[i]
             if store is not None:
-                store.add({record_key(recs[i]): out_taps[i] for i in idx})
+                store.add(arrays)
             bar.advance(task, len(idx))
     return out_taps
 

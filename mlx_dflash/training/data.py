@@ -20,6 +20,7 @@ import numpy as np
 from ..errors import DFlashError
 from ..prompt_files import read_prompt_file
 from ..prompts import encode_prompt, stop_ids
+from .forward import top_logprobs
 
 
 def read_prompts(paths: Iterable[str | Path]) -> list[str]:
@@ -142,10 +143,8 @@ class TapRecorder:
         logits = target.lm_head(target.inner.norm(h[:, -1:]))
         # The distribution the next answer token is drawn from, as its top_k log-probabilities:
         # soft targets for distillation, free here, a full forward pass later.
-        logp = logits[:, 0].astype(mx.float32)
-        logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
-        top = mx.argpartition(-logp, self.top_k - 1, axis=-1)[:, : self.top_k]
-        top_logp = mx.take_along_axis(logp, top, axis=-1).astype(mx.float16)
+        top, top_logp = top_logprobs(logits[:, 0], self.top_k)
+        top_logp = top_logp.astype(mx.float16)
         mx.eval(taps, logits, top, top_logp)
         taps, top, top_logp = np.array(taps), np.array(top), np.array(top_logp)
         if self.rows is None:  # the prompts' prefill: drop each row's left padding

@@ -16,19 +16,30 @@ from ..models.drafter import DFlashDrafter, drafter_logits
 from ..models.drafter_config import DrafterConfig
 
 
-def target_taps(target, tokens: mx.array) -> mx.array:
+def target_taps(target, tokens: mx.array, final: bool = False):
     """Taps (B, T, n_taps*H) of right-padded sequences: one causal pass, no gradient.
 
     Right padding never reaches real positions under a causal mask, so no padding mask.
+    final: run every layer and also return the final normed hidden states (B, T, H), from
+    which the target's own distributions (soft targets) follow.
     """
     h = target.embed(tokens)
     wanted = {t: None for t in target.tap_ids}
-    last = max(wanted)
+    last = target.num_layers - 1 if final else max(wanted)
     for i, layer in enumerate(target.layers[: last + 1]):
         h = layer(h, mask="causal", cache=None)
         if i in wanted:
             wanted[i] = h
-    return mx.stop_gradient(mx.concatenate([wanted[t] for t in target.tap_ids], axis=-1))
+    taps = mx.stop_gradient(mx.concatenate([wanted[t] for t in target.tap_ids], axis=-1))
+    return (taps, target.inner.norm(h)) if final else taps
+
+
+def top_logprobs(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """The k most likely ids of each row of logits (N, V) and their log-probabilities."""
+    logp = logits.astype(mx.float32)
+    logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
+    top = mx.argpartition(-logp, k - 1, axis=-1)[:, :k]
+    return top, mx.take_along_axis(logp, top, axis=-1)
 
 
 def context_masks(cfg: DrafterConfig, anchors: mx.array, T: int) -> dict:

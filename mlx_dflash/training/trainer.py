@@ -185,7 +185,13 @@ class Trainer:
             raise DFlashError(f"--loss-vocab is 'full' or 'corpus', not '{self.cfg.loss_vocab}'.")
         self.taps = None
         if self.cfg.cache_taps:
-            self.taps = cache_all_taps(self.target, self.records, self.cfg.max_len, out=self.out)
+            self.taps = cache_all_taps(
+                self.target,
+                self.records,
+                self.cfg.max_len,
+                out=self.out,
+                with_soft=self.cfg.kl_weight > 0,
+            )
         self.soft = None
         if self.cfg.kl_weight > 0:
             if self.out is None:
@@ -193,8 +199,8 @@ class Trainer:
             self.soft = soft_targets(self.records, self.out, self.target.tap_ids)
             if not any(x is not None for x in self.soft):
                 raise DFlashError(
-                    "--kl-weight needs soft targets, kept while answering with --cache-taps; "
-                    "these answers have none."
+                    "--kl-weight needs soft targets: kept while answering, or computed with "
+                    "the taps (--cache-taps); these answers have none."
                 )
         self.vocab = None
         if self.cfg.loss_vocab == "corpus":
