@@ -13,17 +13,13 @@ from mlx_dflash.models.drafter import DrafterRunner, drafter_logits, init_drafte
 from mlx_dflash.models.target import load_target
 from mlx_dflash.paths import DEFAULT_TARGET
 from mlx_dflash.training.batches import (
-    TapStore,
     cache_all_taps,
     loss_vocabulary,
     make_batch,
-    record_key,
-    soft_targets,
     tap_scale,
 )
 from mlx_dflash.training.checkpoint import CURVE_FILE, TAPS_DIR, load_checkpoint
 from mlx_dflash.training.data import (
-    SOFT_TOP_K,
     answer_prompts,
     batch_generate,
     encode,
@@ -31,6 +27,7 @@ from mlx_dflash.training.data import (
     story_prompts,
 )
 from mlx_dflash.training.forward import block_loss, drafter_blocks, target_taps
+from mlx_dflash.training.tapstore import SOFT_TOP_K, TapStore, record_key, soft_targets
 from mlx_dflash.training.trainer import TrainConfig, Trainer, eval_tau, new_drafter_config
 
 

@@ -21,6 +21,7 @@ from ..errors import DFlashError
 from ..prompt_files import read_prompt_file
 from ..prompts import encode_prompt, stop_ids
 from .forward import top_logprobs
+from .tapstore import SOFT_IDS, SOFT_LOGP, SOFT_TOP_K, TapStore
 
 
 def read_prompts(paths: Iterable[str | Path]) -> list[str]:
@@ -44,12 +45,6 @@ def _pick(logits: mx.array, temps: mx.array) -> mx.array:
     t = mx.maximum(temps, 1e-4)[:, None]
     sampled = mx.random.categorical(logits / t)
     return mx.where(temps > 0, sampled, greedy)
-
-
-# Soft targets kept per answer token while answering (see TapRecorder), stored in the tap
-# store beside each record's taps under these key suffixes.
-SOFT_TOP_K = 8
-SOFT_IDS, SOFT_LOGP = ".top_ids", ".top_logp"
 
 
 def batch_generate(
@@ -201,8 +196,6 @@ def answer_prompts(
     token (soft targets), are also written to the tap store beside the shard
     (`batches.TapStore`), keyed by prompt id, as training reads them.
     """
-    from .batches import TapStore
-
     shard = Path(shard)
     shard.parent.mkdir(parents=True, exist_ok=True)
     skip = done_ids(shard)

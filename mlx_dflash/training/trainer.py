@@ -31,13 +31,13 @@ from .batches import (
     cache_all_taps,
     loss_vocabulary,
     make_batch,
-    soft_targets,
     tap_scale,
     usable,
 )
 from .checkpoint import CURVE_FILE, save_checkpoint
 from .data import answer_prompts, done_ids, eos_ids, read_prompts, story_prompts
 from .forward import block_loss, metrics
+from .tapstore import soft_targets
 
 
 @dataclass
