@@ -85,7 +85,10 @@ def train_command(
     eval_tokens: int = typer.Option(96, "--eval-tokens", min=2),
     save_every: int = typer.Option(200, "--save-every", min=0),
     cache_taps: bool = typer.Option(
-        None, "--cache-taps/--no-cache-taps", help="Keep all taps in memory (default: if < 2 GB)."
+        None,
+        "--cache-taps/--no-cache-taps",
+        help="Keep the target's taps (and soft targets) on disk as it answers, and all taps in "
+        "memory while training (default: if they fit in 2 GB).",
     ),
     loss_vocab: str = typer.Option(
         "full",
