@@ -456,5 +456,11 @@ def test_train_command_end_to_end(run_cli, tmp_path):
     assert code != 0 and "--loss-vocab is 'full' or 'corpus'" in err
     code, _, err = run_cli("train", *common, "--no-gen", "--answers", tmp_path / "none.jsonl")
     assert code != 0 and "no such file" in err and "Traceback" not in err
+    (tmp_path / "broken.jsonl.gz").write_text("not gzip")
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "not an answer"}\n')
+    for bad, says in [("broken.jsonl.gz", "not a readable answers file"),
+                      ("prompts.jsonl", "is not an answers file")]:  # fmt: skip
+        code, _, err = run_cli("train", *common, "--no-gen", "--answers", tmp_path / bad)
+        assert code != 0 and says in err and "Traceback" not in err, err
     code, _, err = run_cli("train", *common, "--no-gen", "--eval-set", "nope")
     assert code != 0 and "Unknown dataset 'nope'" in err and "Traceback" not in err

@@ -160,12 +160,16 @@ def train_command(
         fresh = True
     check_pair(drafter.cfg, target.config)
     tap_bytes = drafter.cfg.num_taps * target.hidden_size * 2  # per token, float16
+
+    def taps_fit(n_tokens: int) -> bool:  # the default of --cache-taps: all of it under 2 GB
+        return n_tokens * tap_bytes < 2**31
+
     shard = out / "answers.jsonl"
     if gen:
         temps = _parse_floats(gen_temps)
         keep = cache_taps
-        if keep is None:  # the same rule as for training: all of it under 2 GB
-            keep = len(train_prompts) * (gen_max_tokens + 128) * tap_bytes < 2**31
+        if keep is None:
+            keep = taps_fit(len(train_prompts) * (gen_max_tokens + 128))
         tap_ids = drafter.cfg.target_layer_ids if keep else None
         answer(target, train_prompts, shard, temps, gen_max_tokens, gen_batch, seed, tap_ids)
     elif not shard.exists():
@@ -194,7 +198,7 @@ def train_command(
     records = load_records([shard, *answers], own=shard)
     if cache_taps is None:
         n_tok = sum(min(len(r["tokens"]), max_len) for r in records)
-        cache_taps = n_tok * tap_bytes < 2**31
+        cache_taps = taps_fit(n_tok)
     cfg.cache_taps = cache_taps
     trainer = Trainer(
         target,

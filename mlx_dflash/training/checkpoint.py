@@ -52,9 +52,7 @@ def atomic_write(path: Path, write) -> None:
 def load_checkpoint(out: Path, num_target_layers: int):
     """(drafter, optimizer state or None, step) from a folder `save_checkpoint` wrote."""
     drafter = load_drafter(out, num_target_layers=num_target_layers)
-    state_file = out / STATE_FILE
-    state = json.loads(state_file.read_text()) if state_file.exists() else {}
-    step = state.get("step", 0)
+    step = _state(out).get("step", 0)
     opt_state = None
     if (out / OPT_FILE).exists():
         opt_state = tree_unflatten(list(mx.load(str(out / OPT_FILE)).items()))
@@ -63,5 +61,9 @@ def load_checkpoint(out: Path, num_target_layers: int):
 
 def saved_seen_tokens(out: Path) -> int:
     """Response tokens trained on before the checkpoint in `out` (0 when not recorded)."""
+    return _state(out).get("seen_tokens", 0)
+
+
+def _state(out: Path) -> dict:
     state_file = out / STATE_FILE
-    return json.loads(state_file.read_text()).get("seen_tokens", 0) if state_file.exists() else 0
+    return json.loads(state_file.read_text()) if state_file.exists() else {}

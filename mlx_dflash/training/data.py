@@ -21,7 +21,7 @@ from ..errors import DFlashError
 from ..prompt_files import read_prompt_file
 from ..prompts import encode_prompt, stop_ids
 from .forward import top_logprobs
-from .tapstore import SOFT_IDS, SOFT_LOGP, SOFT_TOP_K, TapStore
+from .tapstore import SOFT_IDS, SOFT_LOGP, SOFT_TOP_K, TapStore, record_key
 
 
 def read_prompts(paths: Iterable[str | Path]) -> list[str]:
@@ -194,7 +194,7 @@ def answer_prompts(
 
     With `tap_ids` each batch's taps, and the target's top-k log-probabilities at every answer
     token (soft targets), are also written to the tap store beside the shard
-    (`batches.TapStore`), keyed by prompt id, as training reads them.
+    (`tapstore.TapStore`), keyed by prompt id, as training reads them.
     """
     shard = Path(shard)
     shard.parent.mkdir(parents=True, exist_ok=True)
@@ -219,9 +219,10 @@ def answer_prompts(
             if store is not None:  # before the answers: an answer in the shard has its taps
                 arrays = {}
                 for j, (i, ans) in enumerate(zip(ids, answers, strict=True)):
-                    arrays[str(i)] = tapper.row(j, len(encoded[i]) + len(ans))
+                    key = record_key({"id": i})
+                    arrays[key] = tapper.row(j, len(encoded[i]) + len(ans))
                     top, top_logp = tapper.soft_targets(j, len(ans))
-                    arrays[f"{i}{SOFT_IDS}"], arrays[f"{i}{SOFT_LOGP}"] = top, top_logp
+                    arrays[key + SOFT_IDS], arrays[key + SOFT_LOGP] = top, top_logp
                 store.add(arrays)
             for i, t, ans in zip(ids, ts, answers, strict=True):
                 rec = {"id": i, "prompt_len": len(encoded[i]), "temp": t}
@@ -268,16 +269,24 @@ def load_records(
         path = Path(path)
         opener = gzip.open if path.suffix == ".gz" else open
         prefix = "" if own is None or path == Path(own) else f"{path.parent.name}/"
-        with opener(path, "rt") as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if len(rec["tokens"]) - rec["prompt_len"] >= min_response:
-                    if prefix:
-                        rec["key"] = f"{prefix}{rec['id']}"
-                    recs.append(rec)
+        try:
+            with opener(path, "rt") as f:
+                lines = f.readlines()
+        except (OSError, EOFError, UnicodeDecodeError) as e:
+            raise DFlashError(f"{path} is not a readable answers file ({e}).") from None
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a truncated last line from a crash
+            if not isinstance(rec, dict) or not {"id", "tokens", "prompt_len"} <= rec.keys():
+                raise DFlashError(
+                    f"{path} is not an answers file: its lines need id, tokens and prompt_len."
+                )
+            if len(rec["tokens"]) - rec["prompt_len"] >= min_response:
+                if prefix:
+                    rec["key"] = f"{prefix}{rec['id']}"
+                recs.append(rec)
     if not recs:
         raise DFlashError("No usable training records (answered prompts) were found.")
     return recs

@@ -27,13 +27,7 @@ from ..models.target import load_target
 from ..paths import DEFAULT_TARGET
 from ..progress import progress
 from ..prompts import stop_ids
-from .batches import (
-    cache_all_taps,
-    loss_vocabulary,
-    make_batch,
-    tap_scale,
-    usable,
-)
+from .batches import cache_all_taps, loss_vocabulary, make_batch, tap_scale, usable
 from .checkpoint import CURVE_FILE, save_checkpoint
 from .data import answer_prompts, done_ids, eos_ids, read_prompts, story_prompts
 from .forward import block_loss, metrics
