@@ -9,7 +9,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_dflash.models.drafter import DrafterRunner, drafter_logits, init_drafter, load_drafter
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.models.drafter import (
+    DrafterRunner,
+    drafter_logits,
+    init_drafter,
+    load_drafter,
+    reshape_drafter,
+)
 from mlx_dflash.models.target import load_target
 from mlx_dflash.paths import DEFAULT_TARGET
 from mlx_dflash.training.batches import (
@@ -91,6 +98,36 @@ def test_short_run_raises_tau(target, data):
     after = eval_tau(drafter, target, held_out[:4], 48)["tau"]
     assert before < 1.3
     assert after > before + 0.3, (before, after)
+
+
+def test_grown_drafter_drafts_as_before_and_learns(target, data):
+    """Depth growth: the added layers start as identity, so step 0 drafts exactly as the
+    drafter it grew from, and training moves them (their zero output projections get
+    gradient). A new block size is a config change; shrinking is refused."""
+    recs, held_out, _ = data
+    small = init_drafter(small_cfg(target, mask_token_id=0), seed=4)
+    grown = reshape_drafter(small, 3, small.cfg.block_size, seed=5)
+    assert grown.cfg.num_hidden_layers == 3 and len(grown.cfg.layer_types) == 3
+    target.set_taps(small.cfg.target_layer_ids)
+    toks = held_out[0] + [5, 9, 11, 30, 2, 7]
+    _, taps = target.forward(mx.array(toks), target.make_cache(), 0)
+    drafts = []
+    for d in (small, grown):
+        runner = DrafterRunner(d, target)
+        runner.add_context(taps[:-1])
+        drafts.append(runner.propose(toks[-1], len(toks) - 1, d.cfg.block_size - 1))
+    assert mx.allclose(drafts[0], drafts[1], atol=1e-5)
+    before = {k: v for k, v in _flat(grown).items() if k.startswith("layers.2.")}
+    cfg = TrainConfig(steps=3, lr=3e-3, warmup=0, batch=2, anchors=4, seed=0)
+    trainer = Trainer(target, grown, recs, cfg)
+    for _ in range(3):
+        trainer.train_step()
+    after = _flat(grown)
+    for name in ("layers.2.self_attn.o_proj.weight", "layers.2.mlp.down_proj.weight"):
+        assert not mx.any(before[name]).item() and mx.any(after[name]).item(), name
+    assert reshape_drafter(small, 2, 4).cfg.block_size == 4
+    with pytest.raises(DFlashError, match="can only grow"):
+        reshape_drafter(small, 1, 8)
 
 
 def test_checkpoint_converts_loads_and_resumes(target, data, tmp_path):
@@ -449,6 +486,20 @@ def test_train_command_end_to_end(run_cli, tmp_path):
     assert [c["step"] for c in curve] == [3]  # resumed at step 2: one evaluation, at 3
     assert {"held-out", "mixed", "copy"} <= set(curve[0]) and curve[0]["seen_tokens"] > 0
     assert "tau by set" in stdout + err
+
+    # Grown from that drafter: one layer more, a smaller block; it cannot shrink.
+    grown = tmp_path / "grown"
+    grown.mkdir()
+    (grown / "answers.jsonl").write_text(answers)
+    small = ["--batch", "2", "--anchors", "2", "--eval-every", "0", "--eval-prompts", "2",
+             "--eval-tokens", "8", "--no-gen", "--steps", "1"]  # fmt: skip
+    code, _, err = run_cli("train", "--out", grown, "--init", out, "--layers", "2",
+                           "--block-size", "3", *small)  # fmt: skip
+    assert code == 0, err
+    cfg = json.loads((grown / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 2 and cfg["block_size"] == 3
+    code, _, err = run_cli("train", "--out", grown, "--init", grown, "--layers", "1", *small)
+    assert code != 0 and "it can only grow" in err and "Traceback" not in err
 
     code, _, err = run_cli("train", "--out", tmp_path / "empty", "--no-gen", "--num-prompts", "12")
     assert code != 0 and "--no-gen needs answers" in err and "Traceback" not in err

@@ -10,7 +10,7 @@ import typer
 
 from ..checkpoints.read import check_pair
 from ..errors import DFlashError
-from ..models.drafter import init_drafter, load_drafter
+from ..models.drafter import init_drafter, load_drafter, reshape_drafter
 from ..training.checkpoint import load_checkpoint, saved_seen_tokens
 from ..training.data import encode, load_records
 from ..training.trainer import (
@@ -62,13 +62,21 @@ def train_command(
         [], "--data", help="Prompt JSONL file(s) (prompt/question/text field); repeatable."
     ),
     out: Path = typer.Option(..., "--out", "-o", help="Output folder: checkpoint and data."),
-    layers: int = typer.Option(2, "--layers", min=1, help="Drafter decoder layers."),
+    layers: int = typer.Option(
+        None,
+        "--layers",
+        min=1,
+        help="Drafter decoder layers (default 2). With --init: grow that drafter to N layers; "
+        "the added ones start as identity, so step 0 drafts as --init does.",
+    ),
     heads: int = typer.Option(None, "--heads", min=1, help="Drafter heads (default: target's)."),
     window: int = typer.Option(
         None, "--window", min=1, help="Sliding-window attention over the last N positions."
     ),
     taps: str = typer.Option(None, "--taps", help="Tapped target layers, e.g. 1,3."),
-    block_size: int = typer.Option(16, "--block-size", min=2),
+    block_size: int = typer.Option(
+        None, "--block-size", min=2, help="Draft block (default 16; with --init: its own)."
+    ),
     mask_token_id: int = typer.Option(None, "--mask-token-id", help="Default: unk/pad."),
     init: Path = typer.Option(None, "--init", help="Start from this drafter checkpoint."),
     steps: int = typer.Option(1000, "--steps", min=1),
@@ -152,9 +160,12 @@ def train_command(
         seen = saved_seen_tokens(out)
     elif init is not None:
         drafter = load_drafter(init, num_target_layers=target.num_layers)
+        n, bs = drafter.cfg.num_hidden_layers, drafter.cfg.block_size
+        if (layers or n) != n or (block_size or bs) != bs:
+            drafter = reshape_drafter(drafter, layers or n, block_size or bs, seed)
     else:
         dcfg = new_drafter_config(
-            target, layers, _parse_ints(taps), block_size, mask_token_id, heads, window
+            target, layers or 2, _parse_ints(taps), block_size or 16, mask_token_id, heads, window
         )
         drafter = init_drafter(dcfg, seed=seed)
         fresh = True

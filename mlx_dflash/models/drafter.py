@@ -8,6 +8,7 @@ The drafter has no embeddings or LM head: it borrows the target's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -270,3 +271,31 @@ def init_drafter(cfg: DrafterConfig, seed: int = 0) -> DFlashDrafter:
     model.load_weights(new)
     mx.eval(model.parameters())
     return model
+
+
+def reshape_drafter(drafter: DFlashDrafter, layers: int, block_size: int, seed: int = 0):
+    """`drafter` deepened to `layers` layers and retrained at `block_size`, drafting exactly as
+    before at step 0. The added layers get random weights but zero output projections (o_proj,
+    down_proj): they add nothing to the residual stream until training moves them, so a deeper
+    drafter starts from a trained one's tau instead of from scratch (its plateau costs hundreds
+    of steps on a CPU). The weights know positions only through RoPE, so the block size is free."""
+    cfg = drafter.cfg
+    n = cfg.num_hidden_layers
+    if layers < n:
+        raise DFlashError(
+            f"--layers {layers}: the drafter to start from has {n}; it can only grow."
+        )
+    new_cfg = dataclasses.replace(
+        cfg,
+        num_hidden_layers=layers,
+        layer_types=list(cfg.layer_types) + [cfg.layer_types[-1]] * (layers - n),
+        block_size=block_size,
+    )
+    grown = init_drafter(new_cfg, seed=seed)
+    grown.load_weights(nn.utils.tree_flatten(drafter.parameters()), strict=False)
+    for layer in grown.layers[n:]:
+        layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
+        layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
+    mx.eval(grown.parameters())
+    grown.draft_vocab = drafter.draft_vocab
+    return grown
