@@ -5,6 +5,11 @@ writes (OUT/curve.jsonl): a table on stdout and a PNG.
 
 Several curve files are joined in order; the i-th `--offset N` adds N tokens to the i-th
 file's points (a run that started from another run's weights with --init counts from 0).
+With `--compare`, each file is a run of its own (one lever each, named by `--label`): one panel
+per set, one line per run, so levers measured one at a time are seen side by side.
+
+    .venv/bin/python training/plot_curve.py runs/mix/curve.jsonl runs/mix-kl/curve.jsonl \
+        --compare --label "CE" --label "CE + KL 0.5" --out docs/img/levers.png
 """
 
 from __future__ import annotations
@@ -32,7 +37,12 @@ def main() -> None:
     ap.add_argument("--offset", type=int, action="append", default=[])
     ap.add_argument("--out", type=Path, help="PNG to write (needs matplotlib).")
     ap.add_argument("--title", default="DFlash tau against training tokens")
+    ap.add_argument("--compare", action="store_true", help="Each file is a run of its own.")
+    ap.add_argument("--label", action="append", default=[], help="Run names for --compare.")
     args = ap.parse_args()
+    if args.compare:
+        compare(args)
+        return
     points = read(args.curves, args.offset)
     sets = [k for k in points[0] if k not in ("step", "seen_tokens")]
     print(f"{'step':>6} {'tokens':>9} " + " ".join(f"{s:>10}" for s in sets))
@@ -58,6 +68,40 @@ def main() -> None:
     fig.tight_layout()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=120)
+    print(f"wrote {args.out}")
+
+
+def compare(args) -> None:
+    labels = args.label + [p.parent.name for p in args.curves[len(args.label) :]]
+    runs = {label: read([path], []) for label, path in zip(labels, args.curves, strict=True)}
+    sets = [k for k in next(iter(runs.values()))[0] if k not in ("step", "seen_tokens")]
+    for label, points in runs.items():
+        print(f"{label}:")
+        print(f"{'step':>6} {'tokens':>9} " + " ".join(f"{s:>10}" for s in sets))
+        for p in points:
+            row = " ".join(f"{p.get(s, float('nan')):>10.2f}" for s in sets)
+            print(f"{p['step']:>6} {p['seen_tokens']:>9} {row}")
+    if args.out is None:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(sets), figsize=(3.2 * len(sets), 3.6), sharex=True)
+    for ax, s in zip(axes, sets, strict=True):
+        for label, points in runs.items():
+            xs = [p["seen_tokens"] / 1e6 for p in points if s in p]
+            ax.plot(xs, [p[s] for p in points if s in p], marker="o", label=label)
+        ax.set_title(s)
+        ax.set_xlabel("tokens trained on (M)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("mean tau (DFlash, greedy)")
+    axes[-1].legend(fontsize=8)
+    fig.suptitle(args.title)
+    fig.tight_layout()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out, dpi=110)
     print(f"wrote {args.out}")
 
 
