@@ -34,7 +34,14 @@ from mlx_dflash.training.data import (
     story_prompts,
 )
 from mlx_dflash.training.forward import block_loss, drafter_blocks, target_taps
-from mlx_dflash.training.tapstore import SOFT_TOP_K, TapStore, record_key, soft_targets
+from mlx_dflash.training.tapstore import (
+    SOFT_IDS,
+    SOFT_LOGP,
+    SOFT_TOP_K,
+    TapStore,
+    record_key,
+    soft_targets,
+)
 from mlx_dflash.training.trainer import TrainConfig, Trainer, eval_tau, new_drafter_config
 
 
@@ -360,6 +367,15 @@ def test_soft_targets_for_answers_made_without(target, data, tmp_path):
         assert mx.allclose(mx.array(logp), mx.take_along_axis(full, mx.array(ids), -1), atol=2e-2)
         best = np.argsort(-np.array(full), axis=-1)[:, :SOFT_TOP_K]
         assert (np.sort(ids, axis=-1) == np.sort(best, axis=-1)).mean() > 0.99  # ties aside
+    # Records whose taps are stored already get only their soft targets added (taps are
+    # 5.8 KB a token on SmolLM2: storing them twice doubled the store).
+    plain = cache_all_taps(target, recs[5:8], 512, out=tmp_path)
+    shards = set((tmp_path / TAPS_DIR).glob("*.safetensors"))
+    again = cache_all_taps(target, recs[5:8], 512, out=tmp_path, with_soft=True)
+    (new,) = set((tmp_path / TAPS_DIR).glob("*.safetensors")) - shards
+    keys = set(mx.load(str(new)))
+    assert keys == {record_key(r) + s for r in recs[5:8] for s in (SOFT_IDS, SOFT_LOGP)}
+    assert all(mx.array_equal(a, b) for a, b in zip(plain, again, strict=True))
 
 
 def test_distillation_loss(target, data):

@@ -118,8 +118,9 @@ def cache_all_taps(
             taps = taps.astype(mx.float16)
             mx.eval(taps, arrays)
             for j, i in enumerate(idx):
-                out_taps[i] = taps[j, : len(seqs[j])]
-                arrays[record_key(recs[i])] = out_taps[i]
+                if out_taps[i] is None:  # stored taps are kept: only soft targets were missing
+                    out_taps[i] = taps[j, : len(seqs[j])]
+                    arrays[record_key(recs[i])] = out_taps[i]
             if store is not None:
                 store.add(arrays)
             bar.advance(task, len(idx))
