@@ -516,6 +516,8 @@ def test_train_command_end_to_end(run_cli, tmp_path):
     assert cfg["num_hidden_layers"] == 2 and cfg["block_size"] == 3
     code, _, err = run_cli("train", "--out", grown, "--init", grown, "--layers", "1", *small)
     assert code != 0 and "it can only grow" in err and "Traceback" not in err
+    code, _, err = run_cli("train", "--out", grown, "--init", grown, "--taps", "1", *small)
+    assert code != 0 and "--taps shapes a new drafter" in err and "Traceback" not in err
 
     code, _, err = run_cli("train", "--out", tmp_path / "empty", "--no-gen", "--num-prompts", "12")
     assert code != 0 and "--no-gen needs answers" in err and "Traceback" not in err

@@ -159,6 +159,10 @@ def train_command(
         drafter, opt_state, step = load_checkpoint(out, target.num_layers)
         seen = saved_seen_tokens(out)
     elif init is not None:
+        for flag, value in [("--taps", taps), ("--heads", heads), ("--window", window),
+                            ("--mask-token-id", mask_token_id)]:  # fmt: skip
+            if value is not None:
+                raise DFlashError(f"{flag} shapes a new drafter; --init {init} keeps its own.")
         drafter = load_drafter(init, num_target_layers=target.num_layers)
         n, bs = drafter.cfg.num_hidden_layers, drafter.cfg.block_size
         if (layers or n) != n or (block_size or bs) != bs:
