@@ -31,6 +31,39 @@ def read(paths: list[Path], offsets: list[int]) -> list[dict]:
     return points
 
 
+def eval_sets(points: list[dict]) -> list[str]:
+    return [k for k in points[0] if k not in ("step", "seen_tokens")]
+
+
+def print_table(points: list[dict], sets: list[str]) -> None:
+    print(f"{'step':>6} {'tokens':>9} " + " ".join(f"{s:>10}" for s in sets))
+    for p in points:
+        row = " ".join(f"{p.get(s, float('nan')):>10.2f}" for s in sets)
+        print(f"{p['step']:>6} {p['seen_tokens']:>9} {row}")
+
+
+def plot_line(ax, points: list[dict], s: str, label: str) -> None:
+    """Set s's tau against tokens (millions); points without s are skipped."""
+    xs = [p["seen_tokens"] / 1e6 for p in points if s in p]
+    ax.plot(xs, [p[s] for p in points if s in p], marker="o", label=label)
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save(fig, out: Path, dpi: int) -> None:
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=dpi)
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("curves", nargs="+", type=Path)
@@ -44,65 +77,43 @@ def main() -> None:
         compare(args)
         return
     points = read(args.curves, args.offset)
-    sets = [k for k in points[0] if k not in ("step", "seen_tokens")]
-    print(f"{'step':>6} {'tokens':>9} " + " ".join(f"{s:>10}" for s in sets))
-    for p in points:
-        row = " ".join(f"{p.get(s, float('nan')):>10.2f}" for s in sets)
-        print(f"{p['step']:>6} {p['seen_tokens']:>9} {row}")
+    sets = eval_sets(points)
+    print_table(points, sets)
     if args.out is None:
         return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = pyplot().subplots(figsize=(7, 4))
     for s in sets:
-        xs = [p["seen_tokens"] / 1e6 for p in points if s in p]
-        ax.plot(xs, [p[s] for p in points if s in p], marker="o", label=s)
+        plot_line(ax, points, s, s)
     ax.set_xlabel("response tokens trained on (millions, with repeats)")
     ax.set_ylabel("mean tau (DFlash, greedy)")
     ax.set_title(args.title)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=120)
-    print(f"wrote {args.out}")
+    save(fig, args.out, dpi=120)
 
 
 def compare(args) -> None:
     labels = args.label + [p.parent.name for p in args.curves[len(args.label) :]]
     runs = {label: read([path], []) for label, path in zip(labels, args.curves, strict=True)}
-    sets = [k for k in next(iter(runs.values()))[0] if k not in ("step", "seen_tokens")]
+    sets = eval_sets(next(iter(runs.values())))
     for label, points in runs.items():
         print(f"{label}:")
-        print(f"{'step':>6} {'tokens':>9} " + " ".join(f"{s:>10}" for s in sets))
-        for p in points:
-            row = " ".join(f"{p.get(s, float('nan')):>10.2f}" for s in sets)
-            print(f"{p['step']:>6} {p['seen_tokens']:>9} {row}")
+        print_table(points, sets)
     if args.out is None:
         return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(sets), figsize=(3.2 * len(sets), 3.6), sharex=True)
-    for ax, s in zip(axes, sets, strict=True):
+    fig, axes = pyplot().subplots(
+        1, len(sets), figsize=(3.2 * len(sets), 3.6), sharex=True, squeeze=False
+    )
+    for ax, s in zip(axes[0], sets, strict=True):
         for label, points in runs.items():
-            xs = [p["seen_tokens"] / 1e6 for p in points if s in p]
-            ax.plot(xs, [p[s] for p in points if s in p], marker="o", label=label)
+            plot_line(ax, points, s, label)
         ax.set_title(s)
         ax.set_xlabel("tokens trained on (M)")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("mean tau (DFlash, greedy)")
-    axes[-1].legend(fontsize=8)
+    axes[0][0].set_ylabel("mean tau (DFlash, greedy)")
+    axes[0][-1].legend(fontsize=8)
     fig.suptitle(args.title)
-    fig.tight_layout()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=110)
-    print(f"wrote {args.out}")
+    save(fig, args.out, dpi=110)
 
 
 if __name__ == "__main__":
