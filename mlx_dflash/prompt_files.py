@@ -32,7 +32,9 @@ def read_records(path: Path) -> list[Any]:
         if name.endswith((".json", ".json.gz")):
             data = json.loads(text)
             return data if isinstance(data, list) else [data]
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
+        # "\n" only: str.splitlines also breaks at U+2028 and other separators that JSON
+        # strings may hold raw (ShareGPT has them).
+        return [json.loads(line) for line in text.split("\n") if line.strip()]
     except (OSError, ValueError, UnicodeDecodeError, EOFError) as e:
         raise DFlashError(f"Could not read prompts from {path}: {e}.") from e
 

@@ -148,6 +148,9 @@ def test_own_jsonl_and_errors(tmp_path, monkeypatch):
     f = tmp_path / "mine.jsonl"
     f.write_text('{"question": "What is 2+2?"}\n\n{"turns": ["Hi", "Bye"]}\n')
     assert load_prompts(str(f)) == ["What is 2+2?", "Hi"]
+    raw = tmp_path / "raw.jsonl"  # a line separator held raw inside a JSON string, as ShareGPT
+    raw.write_text('{"prompt": "one\u2028two"}\r\n{"prompt": "three"}\n', encoding="utf-8")
+    assert load_prompts(str(raw)) == ["one\u2028two", "three"]
     with pytest.raises(DFlashError, match="Unknown dataset"):
         load_prompts("nope")
     with pytest.raises(DFlashError, match="does not exist"):
