@@ -54,3 +54,8 @@ def test_cli_refuses_to_overwrite(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode != 0 and "not overwriting" in r.stderr
     assert out.read_text() == "mine\n"
+    cmd = [sys.executable, str(SCRIPT), str(tmp_path / "none.jsonl"), "--add", "1", "--out",
+           str(tmp_path / "other.jsonl")]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode != 0 and "Could not read prompts" in r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "other.jsonl").exists()

@@ -11,46 +11,41 @@ held-out prompts stay the same.
 
 New prompts: the next N ShareGPT prompts of 20-1200 characters in file order that the list
 does not have (by id or text), no bench set contains and no packaged bench set takes a turn of
-the same conversation from, shuffled with --seed so a partly
-answered chunk is not all of one conversation.
+the same conversation from, shuffled with --seed so a partly answered chunk is not all of one
+conversation.
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import random
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from mlx_dflash.benchmark.datasets import PACKAGED, load_prompts  # noqa: E402
+from mlx_dflash.errors import DFlashError  # noqa: E402
+from mlx_dflash.prompt_files import read_records  # noqa: E402
+
 SHAREGPT = ROOT.parent / "shared" / "data" / "train" / "sharegpt_prompts.jsonl"
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def bench_texts() -> tuple[set[str], set[str]]:
     """Every prompt of the bench sets this repo measures on, and the ShareGPT conversations the
     packaged sets take prompts from: none may be trained on."""
-    sys.path.insert(0, str(ROOT))
-    from mlx_dflash.benchmark.datasets import PACKAGED, load_prompts
-
     convs = {
         p["id"].rsplit("_", 1)[0]
         for path in PACKAGED.values()
-        for p in read_jsonl(path)
+        for p in read_records(path)
         if p.get("source") == "sharegpt"
     }
     texts = set()
     for name in ("gsm8k", "humaneval", "mt-bench", "mixed", "mbpp", "math500"):
         try:
             texts.update(p.strip() for p in load_prompts(name))
-        except Exception as e:  # a set absent here cannot leak into training either
+        except DFlashError as e:  # a set absent here cannot leak into training either
             print(f"note: bench set {name} not read ({e})", file=sys.stderr)
     return texts, convs
 
@@ -90,8 +85,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.out.exists():
         raise SystemExit(f"{args.out} exists; not overwriting it.")
-    old = read_jsonl(args.old)
-    new = extend(old, read_jsonl(args.sharegpt), args.add, args.held_out, args.seed, bench_texts())
+    try:
+        old, sharegpt = read_records(args.old), read_records(args.sharegpt)
+    except DFlashError as e:
+        raise SystemExit(str(e)) from None
+    new = extend(old, sharegpt, args.add, args.held_out, args.seed, bench_texts())
     args.out.write_text("".join(json.dumps(p) + "\n" for p in new))
     print(f"{len(old)} -> {len(new)} prompts ({args.add} new) in {args.out}")
 
