@@ -390,7 +390,7 @@ def test_smollm2_shipped_drafter(smollm2, run_cli, tmp_path):
     folder = tmp_path / "SmolLM2-135M-Instruct-Q4_1"
     folder.symlink_to(smollm2[1], target_is_directory=True)
     assert Path(find_drafter(folder)).name == "smollm2-135m-instruct-dflash"
-    assert (Path(find_drafter(folder)) / "draft_vocab.json").exists()  # drafts ~4.7K tokens
+    assert (Path(find_drafter(folder)) / "draft_vocab.json").exists()  # drafts ~16K tokens
     prompt = (  # not a training prompt
         "A baker makes 36 muffins in the morning and twice as many in the afternoon. He sells "
         "50 muffins. How many muffins does he have left?"
@@ -404,8 +404,8 @@ def test_smollm2_shipped_drafter(smollm2, run_cli, tmp_path):
         assert code == 0, err
         runs[mode] = json.loads(out.strip().splitlines()[-1])
     assert runs["dflash"]["text"] == runs["ar"]["text"] == runs["ddtree"]["text"]
-    # measured on GSM8K (bench): tau 1.67 DFlash, 1.89 DDTree-4; a drafter that learnt only
-    # token frequencies gets ~1.08 (its tau on HumanEval), a random one 1.00
+    # measured on GSM8K (bench): tau 1.69 DFlash, 1.79 DDTree auto; on this prompt 1.77 DFlash,
+    # 1.95 DDTree-4. A drafter that learnt only token frequencies gets ~1.08, a random one 1.00
     for mode in ("dflash", "ddtree"):
         assert runs[mode]["mean_tau"] > 1.25, (mode, runs[mode]["mean_tau"])
 
