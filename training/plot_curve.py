@@ -6,8 +6,8 @@ writes (OUT/curve.jsonl): a table on stdout and a PNG.
 Several curve files are joined in order; the i-th `--offset N` adds N tokens to the i-th
 file's points (a run that started from another run's weights with --init counts from 0).
 With `--compare`, each file is a run of its own (one lever each, named by `--label`): one panel
-per set, one line per run, so levers measured one at a time are seen side by side; `--offset` then places a run that
-continued another's weights where that run ended.
+per set, one line per run, so levers measured one at a time are seen side by side; there the
+i-th `--offset` places the i-th run (one that continued another's weights) where that one ended.
 
     .venv/bin/python training/plot_curve.py runs/mix/curve.jsonl runs/mix-kl/curve.jsonl \
         --compare --label "CE" --label "CE + KL 0.5" --out docs/img/levers.png
@@ -95,10 +95,9 @@ def main() -> None:
 
 def compare(args) -> None:
     labels = args.label + [p.parent.name for p in args.curves[len(args.label) :]]
-    offsets = args.offset + [0] * (len(args.curves) - len(args.offset))
     runs = {
-        label: read([path], [off])
-        for label, path, off in zip(labels, args.curves, offsets, strict=True)
+        label: read([path], args.offset[i : i + 1])
+        for i, (label, path) in enumerate(zip(labels, args.curves, strict=True))
     }
     sets = eval_sets(next(iter(runs.values())))
     for label, points in runs.items():

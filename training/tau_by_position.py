@@ -30,6 +30,7 @@ import mlx_dflash  # noqa: E402, F401  (OpenBLAS before mlx)
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_dflash.benchmark.datasets import load_prompts  # noqa: E402
+from mlx_dflash.errors import DFlashError  # noqa: E402
 from mlx_dflash.engine import GenerationConfig, Session, generate_rounds  # noqa: E402
 from mlx_dflash.models.drafter import DrafterRunner, drafter_logits, load_drafter  # noqa: E402
 from mlx_dflash.models.target import load_target  # noqa: E402
@@ -59,7 +60,7 @@ def forced_accepts(target, drafter, ids: list[int], answer: list[int]) -> np.nda
     cfg = drafter.cfg
     bs = cfg.block_size
     seq = ids + answer
-    P, T = len(ids), len(seq)
+    P = len(ids)
     tokens = mx.array(seq)[None]
     taps = target_taps(target, tokens)
     vocab = (
@@ -79,7 +80,6 @@ def forced_accepts(target, drafter, ids: list[int], answer: list[int]) -> np.nda
         hits = (pred == labels).astype(mx.int32)
         acc = mx.cumprod(hits, axis=-1).sum(axis=-1) + 1
         out[chunk] = np.array(acc[0])
-    assert T == P + len(answer)
     return out
 
 
@@ -94,10 +94,13 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--buckets", default="0,48,128,256", help="answer-offset bucket edges")
     args = ap.parse_args(argv)
-    target = load_target(args.model)
-    drafter = load_drafter(args.drafter, num_target_layers=target.num_layers)
+    try:
+        target = load_target(args.model)
+        drafter = load_drafter(args.drafter, num_target_layers=target.num_layers)
+        prompts = load_prompts(args.prompts)
+    except DFlashError as e:  # one sentence, as the CLI ends bad input
+        raise SystemExit(str(e)) from None
     target.set_taps(drafter.cfg.target_layer_ids)
-    prompts = load_prompts(args.prompts)
     if args.last:
         prompts = prompts[-args.last :]
     else:
