@@ -137,6 +137,38 @@ def test_grown_drafter_drafts_as_before_and_learns(target, data):
         reshape_drafter(small, 1, 8)
 
 
+def test_widened_drafter_drafts_as_before_and_learns(target, data):
+    """Width growth: the added MLP units start with zero down_proj columns, so step 0 drafts
+    exactly as before, and training moves those columns; a fresh drafter takes the width
+    directly, and narrowing is refused."""
+    recs, held_out, _ = data
+    small = init_drafter(small_cfg(target, mask_token_id=0), seed=4)
+    width = small.cfg.intermediate_size
+    wide = reshape_drafter(small, 2, small.cfg.block_size, seed=5, intermediate_size=3 * width)
+    assert wide.cfg.intermediate_size == 3 * width and wide.cfg.num_hidden_layers == 2
+    assert wide.layers[0].mlp.down_proj.weight.shape == (small.cfg.hidden_size, 3 * width)
+    target.set_taps(small.cfg.target_layer_ids)
+    toks = held_out[0] + [5, 9, 11, 30, 2, 7]
+    _, taps = target.forward(mx.array(toks), target.make_cache(), 0)
+    drafts = []
+    for d in (small, wide):
+        runner = DrafterRunner(d, target)
+        runner.add_context(taps[:-1])
+        drafts.append(runner.propose(toks[-1], len(toks) - 1, d.cfg.block_size - 1))
+    assert mx.allclose(drafts[0], drafts[1], atol=1e-5)
+    name = "layers.0.mlp.down_proj.weight"
+    assert not mx.any(_flat(wide)[name][:, width:]).item()
+    cfg = TrainConfig(steps=3, lr=3e-3, warmup=0, batch=2, anchors=4, seed=0)
+    trainer = Trainer(target, wide, recs, cfg)
+    for _ in range(3):
+        trainer.train_step()
+    assert mx.any(_flat(wide)[name][:, width:]).item()
+    fresh = new_drafter_config(target, layers=1, intermediate_size=40)
+    assert fresh.intermediate_size == 40
+    with pytest.raises(DFlashError, match="can only grow"):
+        reshape_drafter(wide, 2, 8, intermediate_size=width)
+
+
 def test_checkpoint_converts_loads_and_resumes(target, data, tmp_path):
     from mlx_dflash.checkpoints.convert import convert
 
@@ -503,17 +535,18 @@ def test_train_command_end_to_end(run_cli, tmp_path):
     assert {"held-out", "mixed", "copy"} <= set(curve[0]) and curve[0]["seen_tokens"] > 0
     assert "tau by set" in stdout + err
 
-    # Grown from that drafter: one layer more, a smaller block; it cannot shrink.
+    # Grown from that drafter: one layer more, wider MLPs, a smaller block; it cannot shrink.
     grown = tmp_path / "grown"
     grown.mkdir()
     (grown / "answers.jsonl").write_text(answers)
     small = ["--batch", "2", "--anchors", "2", "--eval-every", "0", "--eval-prompts", "2",
              "--eval-tokens", "8", "--no-gen", "--steps", "1"]  # fmt: skip
     code, _, err = run_cli("train", "--out", grown, "--init", out, "--layers", "2",
-                           "--block-size", "3", *small)  # fmt: skip
+                           "--block-size", "3", "--intermediate-size", "256", *small)  # fmt: skip
     assert code == 0, err
     cfg = json.loads((grown / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 2 and cfg["block_size"] == 3
+    assert cfg["intermediate_size"] == 256
     code, _, err = run_cli("train", "--out", grown, "--init", grown, "--layers", "1", *small)
     assert code != 0 and "it can only grow" in err and "Traceback" not in err
     code, _, err = run_cli("train", "--out", grown, "--init", grown, "--taps", "1", *small)

@@ -69,6 +69,13 @@ def train_command(
         help="Drafter decoder layers (default 2). With --init: grow that drafter to N layers; "
         "the added ones start as identity, so step 0 drafts as --init does.",
     ),
+    intermediate_size: int = typer.Option(
+        None,
+        "--intermediate-size",
+        min=1,
+        help="Drafter MLP width (default: the target's). With --init: widen that drafter's "
+        "MLPs; the added units start with zero output weights, so step 0 drafts as --init does.",
+    ),
     heads: int = typer.Option(None, "--heads", min=1, help="Drafter heads (default: target's)."),
     window: int = typer.Option(
         None, "--window", min=1, help="Sliding-window attention over the last N positions."
@@ -164,13 +171,16 @@ def train_command(
             if value is not None:
                 raise DFlashError(f"{flag} shapes a new drafter; --init {init} keeps its own.")
         drafter = load_drafter(init, num_target_layers=target.num_layers)
-        n, bs = drafter.cfg.num_hidden_layers, drafter.cfg.block_size
-        if (layers or n) != n or (block_size or bs) != bs:
-            drafter = reshape_drafter(drafter, layers or n, block_size or bs, seed)
+        c = drafter.cfg
+        old = (c.num_hidden_layers, c.block_size, c.intermediate_size)
+        new = (layers or old[0], block_size or old[1], intermediate_size or old[2])
+        if new != old:
+            drafter = reshape_drafter(drafter, new[0], new[1], seed, intermediate_size=new[2])
     else:
         dcfg = new_drafter_config(
-            target, layers or 2, _parse_ints(taps), block_size or 16, mask_token_id, heads, window
-        )
+            target, layers or 2, _parse_ints(taps), block_size or 16, mask_token_id, heads, window,
+            intermediate_size,
+        )  # fmt: skip
         drafter = init_drafter(dcfg, seed=seed)
         fresh = True
     check_pair(drafter.cfg, target.config)

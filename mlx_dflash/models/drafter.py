@@ -273,26 +273,48 @@ def init_drafter(cfg: DrafterConfig, seed: int = 0) -> DFlashDrafter:
     return model
 
 
-def reshape_drafter(drafter: DFlashDrafter, layers: int, block_size: int, seed: int = 0):
-    """`drafter` deepened to `layers` layers and retrained at `block_size`, drafting exactly as
-    before at step 0. The added layers get random weights but zero output projections (o_proj,
-    down_proj): they add nothing to the residual stream until training moves them, so a deeper
-    drafter starts from a trained one's tau instead of from scratch (its plateau costs hundreds
-    of steps on a CPU). The weights know positions only through RoPE, so the block size is free."""
+def reshape_drafter(
+    drafter: DFlashDrafter,
+    layers: int,
+    block_size: int,
+    seed: int = 0,
+    intermediate_size: int | None = None,
+):
+    """`drafter` deepened to `layers` layers, its MLPs widened to `intermediate_size` units, and
+    retrained at `block_size`, drafting exactly as before at step 0. What is added gets random
+    weights but zero output weights (the new layers' o_proj and down_proj, the new MLP units'
+    down_proj columns): it adds nothing to the residual stream until training moves it, so a
+    bigger drafter starts from a trained one's tau instead of from scratch (its plateau costs
+    hundreds of steps on a CPU). The weights know positions only through RoPE, so the block
+    size is free."""
     cfg = drafter.cfg
-    n = cfg.num_hidden_layers
+    n, width = cfg.num_hidden_layers, cfg.intermediate_size
+    wide = intermediate_size or width
     if layers < n:
         raise DFlashError(
             f"--layers {layers}: the drafter to start from has {n}; it can only grow."
+        )
+    if wide < width:
+        raise DFlashError(
+            f"--intermediate-size {wide}: the drafter to start from has {width}; it can only grow."
         )
     new_cfg = dataclasses.replace(
         cfg,
         num_hidden_layers=layers,
         layer_types=list(cfg.layer_types) + [cfg.layer_types[-1]] * (layers - n),
         block_size=block_size,
+        intermediate_size=wide,
     )
     grown = init_drafter(new_cfg, seed=seed)
-    grown.load_weights(nn.utils.tree_flatten(drafter.parameters()), strict=False)
+    old = dict(nn.utils.tree_flatten(drafter.parameters()))
+    new = dict(nn.utils.tree_flatten(grown.parameters()))
+    for name, w in old.items():  # the old MLP weights fill the first `width` units
+        if name.endswith(("gate_proj.weight", "up_proj.weight")):
+            w = mx.concatenate([w, new[name][width:]], axis=0)
+        elif name.endswith("down_proj.weight"):
+            w = mx.concatenate([w, mx.zeros((w.shape[0], wide - width), w.dtype)], axis=1)
+        new[name] = w
+    grown.load_weights(list(new.items()), strict=True)
     for layer in grown.layers[n:]:
         layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
         layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)

@@ -65,8 +65,11 @@ def new_drafter_config(
     mask_token_id: int | None = None,
     heads: int | None = None,
     window: int | None = None,
+    intermediate_size: int | None = None,
 ) -> DrafterConfig:
     """A fresh drafter shaped like the target's layers (same width, heads and MLP).
+
+    `intermediate_size` overrides the MLP width: capacity without another sequential layer.
 
     `heads` overrides the head count (head_dim = hidden / heads): fewer heads train faster.
     `window`: every layer sees only the last `window` positions (published `sliding_attention`
@@ -87,7 +90,7 @@ def new_drafter_config(
         "num_attention_heads": heads,
         "num_key_value_heads": t_kv if same else math.gcd(heads, t_kv),
         "head_dim": int(tc.get("head_dim") or hidden // heads) if same else hidden // heads,
-        "intermediate_size": int(tc["intermediate_size"]),
+        "intermediate_size": intermediate_size or int(tc["intermediate_size"]),
         "rms_norm_eps": float(tc.get("rms_norm_eps", 1e-6)),
         "vocab_size": target.vocab_size,
         "max_position_embeddings": int(tc.get("max_position_embeddings", 4096)),
