@@ -107,6 +107,25 @@ def test_short_run_raises_tau(target, data):
     assert after > before + 0.3, (before, after)
 
 
+def _assert_same_drafts(target, a, b, toks: list[int]) -> None:
+    """Drafters `a` and `b` propose the same block after `toks` (a grown drafter at step 0)."""
+    target.set_taps(a.cfg.target_layer_ids)
+    _, taps = target.forward(mx.array(toks), target.make_cache(), 0)
+    drafts = []
+    for d in (a, b):
+        runner = DrafterRunner(d, target)
+        runner.add_context(taps[:-1])
+        drafts.append(runner.propose(toks[-1], len(toks) - 1, d.cfg.block_size - 1))
+    assert mx.allclose(drafts[0], drafts[1], atol=1e-5)
+
+
+def _train_steps(target, drafter, recs, steps: int) -> None:
+    cfg = TrainConfig(steps=steps, lr=3e-3, warmup=0, batch=2, anchors=4, seed=0)
+    trainer = Trainer(target, drafter, recs, cfg)
+    for _ in range(steps):
+        trainer.train_step()
+
+
 def test_grown_drafter_drafts_as_before_and_learns(target, data):
     """Depth growth: the added layers start as identity, so step 0 drafts exactly as the
     drafter it grew from, and training moves them (their zero output projections get
@@ -115,20 +134,9 @@ def test_grown_drafter_drafts_as_before_and_learns(target, data):
     small = init_drafter(small_cfg(target, mask_token_id=0), seed=4)
     grown = reshape_drafter(small, 3, small.cfg.block_size, seed=5)
     assert grown.cfg.num_hidden_layers == 3 and len(grown.cfg.layer_types) == 3
-    target.set_taps(small.cfg.target_layer_ids)
-    toks = held_out[0] + [5, 9, 11, 30, 2, 7]
-    _, taps = target.forward(mx.array(toks), target.make_cache(), 0)
-    drafts = []
-    for d in (small, grown):
-        runner = DrafterRunner(d, target)
-        runner.add_context(taps[:-1])
-        drafts.append(runner.propose(toks[-1], len(toks) - 1, d.cfg.block_size - 1))
-    assert mx.allclose(drafts[0], drafts[1], atol=1e-5)
+    _assert_same_drafts(target, small, grown, held_out[0] + [5, 9, 11, 30, 2, 7])
     before = {k: v for k, v in _flat(grown).items() if k.startswith("layers.2.")}
-    cfg = TrainConfig(steps=3, lr=3e-3, warmup=0, batch=2, anchors=4, seed=0)
-    trainer = Trainer(target, grown, recs, cfg)
-    for _ in range(3):
-        trainer.train_step()
+    _train_steps(target, grown, recs, 3)
     after = _flat(grown)
     for name in ("layers.2.self_attn.o_proj.weight", "layers.2.mlp.down_proj.weight"):
         assert not mx.any(before[name]).item() and mx.any(after[name]).item(), name
@@ -147,21 +155,10 @@ def test_widened_drafter_drafts_as_before_and_learns(target, data):
     wide = reshape_drafter(small, 2, small.cfg.block_size, seed=5, intermediate_size=3 * width)
     assert wide.cfg.intermediate_size == 3 * width and wide.cfg.num_hidden_layers == 2
     assert wide.layers[0].mlp.down_proj.weight.shape == (small.cfg.hidden_size, 3 * width)
-    target.set_taps(small.cfg.target_layer_ids)
-    toks = held_out[0] + [5, 9, 11, 30, 2, 7]
-    _, taps = target.forward(mx.array(toks), target.make_cache(), 0)
-    drafts = []
-    for d in (small, wide):
-        runner = DrafterRunner(d, target)
-        runner.add_context(taps[:-1])
-        drafts.append(runner.propose(toks[-1], len(toks) - 1, d.cfg.block_size - 1))
-    assert mx.allclose(drafts[0], drafts[1], atol=1e-5)
+    _assert_same_drafts(target, small, wide, held_out[0] + [5, 9, 11, 30, 2, 7])
     name = "layers.0.mlp.down_proj.weight"
     assert not mx.any(_flat(wide)[name][:, width:]).item()
-    cfg = TrainConfig(steps=3, lr=3e-3, warmup=0, batch=2, anchors=4, seed=0)
-    trainer = Trainer(target, wide, recs, cfg)
-    for _ in range(3):
-        trainer.train_step()
+    _train_steps(target, wide, recs, 3)
     assert mx.any(_flat(wide)[name][:, width:]).item()
     fresh = new_drafter_config(target, layers=1, intermediate_size=40)
     assert fresh.intermediate_size == 40
