@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from factories import _published_taps, _unstack_experts, write_tiny_tokenizer
 from mlx.utils import tree_flatten, tree_unflatten
+
+from mlx_dflash.models.tiny import _published_taps, _unstack_experts, write_tiny_tokenizer
 
 # --------------------------------------------------------------------------------------------
 # Published config.json files
@@ -342,7 +343,7 @@ _SIZES = {
     "moe_intermediate_size": 64,
     "max_window_layers": None,  # follows the layer count
 }
-# Token ids of the tiny tokenizer (factories.write_tiny_tokenizer): <s> = 1, </s> = 2.
+# Token ids of the tiny tokenizer (mlx_dflash.models.tiny.write_tiny_tokenizer): <s> = 1, </s> = 2.
 _BOS, _EOS = 1, 2
 
 
@@ -563,7 +564,7 @@ def _mlx_conversion(hf: Path, path: Path, layout: str, cfg: dict[str, Any]) -> P
 
 def write_published_drafter(path: str | Path, target_id: str, seed: int = 1) -> Path:
     """The z-lab drafter for `target_id`, shrunk to fit `shrink(TARGETS[target_id])`."""
-    from factories import write_drafter_checkpoint
+    from mlx_dflash.models.tiny import write_drafter_checkpoint
 
     cfg = shrink_drafter(drafter_config(target_id), shrink(TARGETS[target_id]))
     return write_drafter_checkpoint(path, cfg, seed=seed)

@@ -7,7 +7,6 @@ import importlib.util
 import json
 
 import pytest
-from factories import drafter_config_dict, write_drafter_checkpoint, write_tiny_target
 from typer.testing import CliRunner
 
 from mlx_dflash.benchmark import datasets as bench_datasets
@@ -18,6 +17,7 @@ from mlx_dflash.benchmark.runner import Method, parse_methods
 from mlx_dflash.cli import app
 from mlx_dflash.engine.session import DEFAULT_LOOKUP
 from mlx_dflash.errors import DFlashError
+from mlx_dflash.models.tiny import drafter_config_dict, write_drafter_checkpoint, write_tiny_target
 
 METHODS = "mlx-lm,ar,dflash,ddtree:4,ddtree:auto,lookup,ddtree+lookup:auto"
 

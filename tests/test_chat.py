@@ -7,7 +7,6 @@ import json
 import re
 
 import pytest
-from factories import drafter_config_dict, write_drafter_checkpoint, write_tiny_target
 from oracle import OracleDrafter, diversify
 from typer.testing import CliRunner
 
@@ -16,6 +15,7 @@ from mlx_dflash.cli import app
 from mlx_dflash.conversation import Conversation
 from mlx_dflash.engine import GenerationConfig, Session, generate_rounds
 from mlx_dflash.errors import DFlashError
+from mlx_dflash.models.tiny import drafter_config_dict, write_drafter_checkpoint, write_tiny_target
 
 N = 12
 

@@ -12,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
+import mlx_dflash.models.tiny as F
 from mlx_dflash.checkpoints import convert as conv
 from mlx_dflash.checkpoints.read import (
     check_drafter_weights,
@@ -21,9 +22,6 @@ from mlx_dflash.checkpoints.read import (
 )
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.drafter_config import DrafterConfig
-
-sys.path.insert(0, str(Path(__file__).parent))
-import factories as F  # noqa: E402
 
 LINEAR_PARTS = ("fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

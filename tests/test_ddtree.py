@@ -7,13 +7,13 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
-from factories import TARGET_TYPES, write_tiny_target
 from oracle import OracleDrafter, diversify
 from test_engine import PROMPT, mlx_lm_greedy, run
 
 from mlx_dflash.engine import Session
 from mlx_dflash.engine.tree import build_tree, expected_tokens, top_candidates
 from mlx_dflash.models.target import load_target, tree_depths
+from mlx_dflash.models.tiny import TARGET_TYPES, write_tiny_target
 
 N = 60
 

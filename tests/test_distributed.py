@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from factories import write_tiny_target
 from published import write_published
 
 from mlx_dflash.models.target import load_target
+from mlx_dflash.models.tiny import write_tiny_target
 
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
 pytestmark = pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch is not installed")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from factories import TARGET_TYPES, write_tiny_target
 from mlx_lm.generate import generate_step
 from oracle import OracleDrafter, diversify
 
@@ -18,6 +17,7 @@ from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.drafter import DrafterRunner, init_drafter
 from mlx_dflash.models.drafter_config import DrafterConfig
 from mlx_dflash.models.target import load_target
+from mlx_dflash.models.tiny import TARGET_TYPES, write_tiny_target
 
 PROMPT = list(range(3, 43))
 N = 80

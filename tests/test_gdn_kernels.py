@@ -1,6 +1,6 @@
 """Gated DeltaNet verify kernels: the MLX-ops reference against a float64 walk, the Metal
 kernels' exact source run through the CPU harness (metal/harness) against the reference, and
-the DFLASH_GDN dispatch in hybrid.py."""
+the DFLASH_GDN dispatch in mlx_dflash/kernels/gated_delta.py."""
 
 from __future__ import annotations
 
@@ -397,9 +397,8 @@ def test_dispatch_picks_kernels_when_metal_is_present(monkeypatch, simulated_met
 
 def test_hybrid_target_verify_through_kernels(monkeypatch, simulated_metal):
     """A tiny Qwen3-Next tree verify + commit: kernels (GQA in-kernel) == reference path."""
-    from factories import load_module, tiny_target_config
-
     from mlx_dflash.models.target import Target
+    from mlx_dflash.models.tiny import load_module, tiny_target_config
 
     cfg = tiny_target_config("qwen3_next")
     mod = load_module("qwen3_next")

@@ -8,11 +8,11 @@ from collections import Counter
 import mlx.core as mx
 import numpy as np
 import pytest
-from factories import drafter_config_dict, write_drafter_checkpoint, write_tiny_target
 from mlx_lm.generate import generate_step
 
 from mlx_dflash import load_pair
 from mlx_dflash.engine import GenerationConfig, Session, generate_rounds
+from mlx_dflash.models.tiny import drafter_config_dict, write_drafter_checkpoint, write_tiny_target
 from mlx_dflash.paths import DEFAULT_DRAFTER, DEFAULT_TARGET
 
 STORY = "Once upon a time"

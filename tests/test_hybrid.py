@@ -5,13 +5,13 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from factories import HYBRID_TYPES, load_module, tiny_target_config
 from oracle import OracleDrafter, diversify
 from test_engine import PROMPT, mlx_lm_greedy, run
 
 from mlx_dflash.engine import GenerationConfig, Session, generate_rounds
 from mlx_dflash.models.gated_deltanet import RecurrentCache, conv_window_index
 from mlx_dflash.models.target import Target
+from mlx_dflash.models.tiny import HYBRID_TYPES, load_module, tiny_target_config
 
 N = 60
 

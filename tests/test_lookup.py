@@ -8,7 +8,6 @@ import itertools
 
 import numpy as np
 import pytest
-from factories import HYBRID_TYPES, TARGET_TYPES, load_module, tiny_target_config
 from oracle import OracleDrafter, diversify
 from test_engine import mlx_lm_greedy, run
 from test_sampling import V, chi2_pvalue, exact_marginals
@@ -20,6 +19,7 @@ from mlx_dflash.engine.sampling import SamplingParams
 from mlx_dflash.engine.tree import build_tree, graft, root_only
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.target import Target
+from mlx_dflash.models.tiny import HYBRID_TYPES, TARGET_TYPES, load_module, tiny_target_config
 
 # A prompt that repeats itself, as code edits and quotes do.
 PHRASE = [11, 23, 35, 47, 59, 61, 73, 85, 97, 19]

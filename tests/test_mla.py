@@ -10,7 +10,6 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from factories import write_tiny_tokenizer
 from mlx.utils import tree_flatten, tree_unflatten
 from oracle import OracleDrafter, diversify
 from test_engine import PROMPT, mlx_lm_greedy, random_drafter, run
@@ -19,6 +18,7 @@ from mlx_dflash.engine import Session
 from mlx_dflash.models.cache import KVCache
 from mlx_dflash.models.mla import mla_attention
 from mlx_dflash.models.target import Target, load_target
+from mlx_dflash.models.tiny import write_tiny_tokenizer
 
 N = 48
 
@@ -488,13 +488,13 @@ def test_published_kimi_pair_found_checked_and_exact(tmp_path, monkeypatch):
     """`--model <folder named Kimi-K2.5>` finds z-lab/Kimi-K2.5-DFlash through the registry,
     checks the pair from its config.json before any weight, and DFlash / DDTree with it (yarn
     rope in the drafter too) equal mlx-lm on the published int4 layout."""
-    from factories import write_drafter_checkpoint
     from published import _published_taps
 
     from mlx_dflash import load_pair
     from mlx_dflash.checkpoints import convert as convert_mod
     from mlx_dflash.checkpoints.read import check_pair
     from mlx_dflash.models.drafter_config import DrafterConfig
+    from mlx_dflash.models.tiny import write_drafter_checkpoint
 
     target_cfg = CONFIGS["kimi_k25"]
     with pytest.raises(Exception, match="hidden size 7168 differs"):

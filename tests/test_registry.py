@@ -7,13 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
-from factories import drafter_config_dict, write_drafter_checkpoint, write_tiny_target
 
 from mlx_dflash.checkpoints import convert as convert_mod
 from mlx_dflash.checkpoints import registry
 from mlx_dflash.checkpoints.registry import DRAFTERS, find_drafter
 from mlx_dflash.checkpoints.resolve import cached_path, resolve_model
 from mlx_dflash.errors import DFlashError
+from mlx_dflash.models.tiny import drafter_config_dict, write_drafter_checkpoint, write_tiny_target
 
 
 @pytest.mark.parametrize("target", list(DRAFTERS))

@@ -11,7 +11,6 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
-from factories import load_module, tiny_target_config
 from oracle import diversify
 from scipy.stats import chisquare
 
@@ -20,6 +19,7 @@ from mlx_dflash.engine.sampling import SamplingParams, speculative_on_device, to
 from mlx_dflash.models.drafter import DrafterRunner, init_drafter
 from mlx_dflash.models.drafter_config import DrafterConfig
 from mlx_dflash.models.target import Target
+from mlx_dflash.models.tiny import load_module, tiny_target_config
 
 V = 24
 PROMPT = [3, 9, 4, 17, 5]

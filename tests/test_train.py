@@ -299,7 +299,8 @@ def test_preconditioning_is_the_same_drafter(target, data):
 def test_lm_head_rows_match_the_head(tmp_path):
     """Sub-vocabulary logits equal the full head's columns, also for a quantized head."""
     import mlx.nn as nn
-    from factories import write_tiny_target
+
+    from mlx_dflash.models.tiny import write_tiny_target
 
     for tied in (True, False):
         path = write_tiny_target(tmp_path / f"t{tied}", "qwen3", tie_word_embeddings=tied)

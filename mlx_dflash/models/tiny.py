@@ -1,4 +1,6 @@
-"""Tiny random checkpoints for tests: mlx-lm targets and z-lab-style DFlash drafters.
+"""Tiny random checkpoints: mlx-lm targets and z-lab-style DFlash drafters, for the tests, the
+overhead case (scripts/overhead_case.py) and anyone trying the engine on a new architecture
+without downloading it.
 
 Everything is built from scratch (no network): targets with mlx-lm's own model classes so that
 `mlx_lm.load` reads them back, drafters with the exact z-lab tensor names and torch `[out, in]`
@@ -13,7 +15,7 @@ import json
 import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
@@ -189,7 +191,7 @@ def write_tiny_tokenizer(path: str | Path, vocab_size: int) -> Path:
 def _randomize(params: dict, std: float) -> dict:
     """Normal(0, std) for matrices, 1 + small noise for norm (1-D) weights, zeros for biases."""
     flat = []
-    for name, v in tree_flatten(params):
+    for name, v in cast(list[tuple[str, mx.array]], tree_flatten(params)):
         if v.ndim == 1 and name.endswith("bias"):
             new = mx.zeros(v.shape)
         elif v.ndim == 1:
