@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 # Importing mlx_dflash first loads OpenBLAS before any recipe imports mlx (see mlx_dflash/_blas.py).
+from mlx_dflash.atomic import atomic_folder
 from mlx_dflash.errors import DFlashError
+
+__all__ = ["DFlashError", "atomic_folder", "file_sha256", "interleaved_to_half", "write_json"]
 
 
 def file_sha256(path: str | Path) -> str:
@@ -29,29 +29,6 @@ def file_sha256(path: str | Path) -> str:
 def write_json(path: Path, obj: dict) -> None:
     """Write JSON the way Hugging Face folders do (indented, UTF-8, trailing newline)."""
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-@contextmanager
-def atomic_folder(out: str | Path, force: bool = False) -> Iterator[Path]:
-    """Yield a temporary sibling folder that replaces `out` only if the block succeeds.
-
-    A crash or Ctrl-C mid-conversion then never leaves a half-written model that later runs
-    would mistake for a finished one.
-    """
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        yield tmp
-        if out.exists():
-            if not force:
-                raise DFlashError(f"{out} already exists; pass force to replace it.")
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def interleaved_to_half(w, n_heads: int):

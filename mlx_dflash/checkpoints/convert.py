@@ -12,15 +12,13 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import re
 import shutil
-import uuid
-from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from ..atomic import atomic_folder
 from ..errors import DFlashError
 from ..models.drafter_config import DrafterConfig
 from ..progress import progress
@@ -151,47 +149,6 @@ def _check_out(source: Path, out: Path, force: bool) -> None:
     src, dst = source.resolve(), out.resolve()
     if dst == src or dst in src.parents:
         raise DFlashError(f"The output folder {out} must not be the source folder or contain it.")
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
-def _publish(tmp: Path, out: Path, force: bool) -> None:
-    """Move the finished folder into place; an old one is removed only after that succeeded."""
-    if not (out.exists() or out.is_symlink()):
-        os.replace(tmp, out)
-        return
-    if not force:
-        raise DFlashError(f"The output folder {out} already exists; pass --force to replace it.")
-    old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-    os.replace(out, old)
-    try:
-        os.replace(tmp, out)
-    except BaseException:
-        os.replace(old, out)
-        raise
-    _remove(old)
-
-
-@contextlib.contextmanager
-def staging(out: Path, force: bool = False) -> Iterator[Path]:
-    """A hidden sibling folder to build into; it becomes `out` only if the block succeeds.
-
-    Any failure (including Ctrl-C) deletes it, so no half-written output is ever left behind.
-    """
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        yield tmp
-        _publish(tmp, out, force)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -483,7 +440,7 @@ def convert(
     if dequantize and (kind != "target" or quantize):
         raise DFlashError("--dequantize applies to quantized targets, without --quantize.")
     opts = dict(dtype=dtype, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size)
-    with staging(out, force) as tmp:
+    with atomic_folder(out, force) as tmp:
         if kind == "drafter":
             convert_drafter(src, tmp, target=target, **opts)
         else:

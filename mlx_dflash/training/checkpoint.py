@@ -4,12 +4,12 @@ plus the optimizer state and step, each file written beside and renamed into pla
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..atomic import atomic_file
 from ..models.drafter import DRAFT_VOCAB_FILE, DFlashDrafter, load_drafter, write_draft_vocab
 
 STATE_FILE = "trainer_state.json"
@@ -29,24 +29,15 @@ def save_checkpoint(out: Path, drafter: DFlashDrafter, opt, step: int, meta: dic
     cfg = drafter.cfg.to_dict()
     cfg["torch_dtype"] = "float32"
     weights = dict(tree_flatten(drafter.parameters()))
-    atomic_write(
+    atomic_file(
         out / "model.safetensors",
         lambda p: mx.save_safetensors(p, weights, metadata={"format": "pt"}),
     )
     if opt is not None:
         state = dict(tree_flatten(opt.state))
-        atomic_write(out / OPT_FILE, lambda p: mx.savez(p, **state))
+        atomic_file(out / OPT_FILE, lambda p: mx.savez(p, **state))
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / STATE_FILE).write_text(json.dumps({"step": step, **meta}, indent=2))
-
-
-def atomic_write(path: Path, write) -> None:
-    """Write beside, then rename: a crash never leaves a half-written checkpoint file."""
-    tmp = path.parent / f".partial-{os.getpid()}" / path.name  # per process: see TapStore
-    tmp.parent.mkdir(exist_ok=True)
-    write(str(tmp))
-    tmp.replace(path)
-    tmp.parent.rmdir()
 
 
 def load_checkpoint(out: Path, num_target_layers: int):

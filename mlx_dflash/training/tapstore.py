@@ -10,7 +10,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .checkpoint import TAPS_DIR, atomic_write
+from ..atomic import atomic_file
+from .checkpoint import TAPS_DIR
 
 # Soft targets kept per answer token (the target's top-k log-probabilities), stored beside
 # each record's taps under these key suffixes.
@@ -39,7 +40,7 @@ class TapStore:
         # a later shard (a record re-answered) wins when names are read in order.
         path = self.dir / f"{time.time_ns()}-{os.getpid()}.safetensors"
         data = {k: mx.array(v) if isinstance(v, np.ndarray) else v for k, v in arrays.items()}
-        atomic_write(path, lambda p: mx.save_safetensors(p, data, metadata={"taps": self.tag}))
+        atomic_file(path, lambda p: mx.save_safetensors(p, data, metadata={"taps": self.tag}))
 
     def load(self) -> dict:
         """Every stored record's taps for these tapped layers (damaged shards are skipped)."""
