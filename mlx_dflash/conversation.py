@@ -29,7 +29,7 @@ class Conversation:
         self.templated = use_template(self.tokenizer, chat_template)
         self.template_kwargs = thinking_kwargs(self.tokenizer, self.templated, thinking)
         self.cfg = cfg
-        self.session = Session(target, runner if cfg.mode in ("dflash", "ddtree") else None)
+        self.session = Session(target, runner if cfg.uses_drafter else None)
         self.system = system or None
         self.messages: list[dict[str, str]] = []
         self.total = Stats()
@@ -54,11 +54,11 @@ class Conversation:
         """
         ids = self.render(user)
         self.last_prompt_tokens = len(ids)
-        stats, tokens, printed = Stats(), [], []
+        stats, tokens, printed = Stats(), [], []  # (stats: the last chunk's running totals)
         gen = stream_generate(self.session, ids, self.cfg)
         try:
             for chunk in gen:
-                stats.add(chunk.round)
+                stats = chunk.stats
                 tokens += chunk.tokens
                 printed.append(chunk.text)
                 write(chunk.text)

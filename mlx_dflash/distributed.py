@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
@@ -37,7 +38,7 @@ DEFAULT_TIMEOUT_S = 300.0
 
 @dataclass
 class World:
-    group: object
+    group: mx.distributed.Group
     rank: int
     size: int
     timeout: float = DEFAULT_TIMEOUT_S
@@ -49,6 +50,10 @@ class World:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def sharded(self) -> bool:
+        return True
 
     def agree(self, values) -> np.ndarray:
         """Rank 0's values (an int array of the same shape everywhere), on every rank."""
@@ -63,12 +68,12 @@ class World:
     def all_min(self, value: int) -> int:
         """The smallest of the ranks' values (how far every rank's caches can rewind)."""
         every = mx.distributed.all_gather(mx.array([int(value)], dtype=mx.int32), group=self.group)
-        return int(mx.min(every).item())
+        return int(np.array(mx.min(every)))
 
     def all_true(self, flag: bool) -> bool:
         """Whether `flag` holds on every rank (a choice all ranks must make alike)."""
         n = mx.distributed.all_sum(mx.array([int(bool(flag))], dtype=mx.int32), group=self.group)
-        return int(n.item()) == self.size
+        return int(np.array(n)[0]) == self.size
 
     def agree_seq(self, values) -> np.ndarray:
         """Rank 0's variable-length int sequence, on every rank (its length first)."""
@@ -105,17 +110,61 @@ class World:
         return None if not vals[0] else bytes(int(b) for b in vals[1:]).decode()
 
 
+class LocalWorld:
+    """One process: every decision is already everyone's.
+
+    The null object of `World`, with the same methods: a target that is not sharded holds it,
+    so the engine and the commands call `agree`, `beat` or `idle` alike on one Mac or several,
+    and no code outside this module asks whether a world exists.
+    """
+
+    rank = 0
+    size = 1
+    is_main = True
+    sharded = False
+    collectives = 0
+    bytes_agreed = 0
+
+    def agree(self, values) -> np.ndarray:
+        return np.asarray(values, dtype=np.int64)
+
+    def all_min(self, value: int) -> int:
+        return int(value)
+
+    def all_true(self, flag: bool) -> bool:
+        return bool(flag)
+
+    def agree_seq(self, values) -> np.ndarray:
+        return np.asarray(values, dtype=np.int64)
+
+    def agree_device(self, x: mx.array) -> mx.array:
+        return x
+
+    def beat(self) -> None:
+        pass
+
+    def idle(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def send_text(self, text: str | None) -> str | None:
+        return text
+
+
+LOCAL = LocalWorld()
+
+
 def launched() -> bool:
     return any(os.environ.get(k) is not None for k in LAUNCH_ENV)
 
 
-def init(timeout: float | None = None) -> World | None:
-    """The process group when started by mlx.launch (or mpirun) with more than one rank."""
+def init(timeout: float | None = None) -> World | LocalWorld:
+    """The process group when started by mlx.launch (or mpirun) with more than one rank;
+    `LOCAL` otherwise."""
     if not launched():
-        return None
+        return LOCAL
     group = mx.distributed.init()
     if group.size() < 2:
-        return None
+        return LOCAL
     env = os.environ.get("DFLASH_MLX_DIST_TIMEOUT")
     world = World(group, group.rank(), group.size(), float(timeout or env or DEFAULT_TIMEOUT_S))
     _install_failure_handling(world)
@@ -148,9 +197,12 @@ def _install_failure_handling(world: World) -> None:
     threading.Thread(target=watchdog, name="dflash-watchdog", daemon=True).start()
 
 
-def split(target, world: World) -> str:
+def split(target, world: World | LocalWorld) -> str:
     """Split the target over the ranks: tensor parallelism where mlx-lm can shard it, else (or
-    with DFLASH_MLX_PARALLEL=pipeline) a pipeline of layer slices. Returns which."""
+    with DFLASH_MLX_PARALLEL=pipeline) a pipeline of layer slices. Returns which ("none" on
+    one process)."""
+    if not isinstance(world, World):
+        return "none"
     how = os.environ.get("DFLASH_MLX_PARALLEL", "auto")
     if how not in ("auto", "tensor", "pipeline"):
         raise DFlashError(f"DFLASH_MLX_PARALLEL is 'tensor', 'pipeline' or 'auto', not '{how}'.")
@@ -285,3 +337,11 @@ def pipeline(target, world: World) -> None:
     target.stage = Stage(world, bounds[world.rank], bounds[world.rank + 1], n)
     target.world = world
     world.beat()
+
+
+if TYPE_CHECKING:  # mypy checks these against the engine's protocols (engine/contract.py)
+    from .engine import contract
+
+    _conforms_nothere: type[contract.Cache] = NotHere
+    _conforms_world: type[contract.World] = World
+    _conforms_localworld: type[contract.World] = LocalWorld

@@ -7,6 +7,8 @@ A random drafter accepts almost nothing; these propose the target's true greedy 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import mlx.core as mx
 import numpy as np
 
@@ -60,7 +62,8 @@ def diversify(model, gain: float = 3.0, seed: int = 0) -> None:
 
     mx.random.seed(seed)
     new = []
-    for k, v in tree_flatten(model.parameters()):
+    params = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+    for k, v in params:
         if v.ndim == 1:
             new.append(
                 (k, 0.1 * mx.random.normal(v.shape) if k.endswith("bias") else mx.ones_like(v))
@@ -71,3 +74,9 @@ def diversify(model, gain: float = 3.0, seed: int = 0) -> None:
             new.append((k, (mx.random.normal(v.shape) * gain / v.shape[-1] ** 0.5).astype(v.dtype)))
     model.update(tree_unflatten(new))
     mx.eval(model.parameters())
+
+
+if TYPE_CHECKING:  # mypy checks OracleDrafter against the engine's Drafter protocol
+    from mlx_dflash.engine.contract import Drafter
+
+    _conforms_oracle: type[Drafter] = OracleDrafter

@@ -108,8 +108,8 @@ class RichIO:
 
 
 class SharedIO:
-    """A sharded target's chat (mlx.launch): rank 0 reads and writes, every rank gets its
-    lines and follows its Ctrl-C, so all ranks run the same turns."""
+    """Rank 0 reads and writes, every rank gets its lines and follows its Ctrl-C, so all ranks
+    of a sharded target (mlx.launch) run the same turns; on one process, the io itself."""
 
     def __init__(self, io, world):
         self.io, self.world = io, world
@@ -155,9 +155,7 @@ def run_chat(chat: Conversation, io) -> None:
                 io.info(f"Unknown command {cmd}; /help lists them.")
             continue
         with stop_on_ctrl_c() as stopped:
-            if isinstance(io, SharedIO):
-                stopped = io.stopped(stopped)
-            _, stats = chat.turn(text, io.write, stopped)
+            _, stats = chat.turn(text, io.write, io.stopped(stopped))
         io.end_answer(chat.turn_line(stats))
 
 
@@ -187,9 +185,7 @@ def chat_command(
     target, runner = load_pair(model, drafter, mode, world)
     cfg = dataclasses.replace(cfg, stop_ids=stop_ids(target.tokenizer))
     chat = Conversation(target, runner, cfg, system, chat_template, thinking)
-    io = RichIO() if sys.stdin.isatty() and sys.stdout.isatty() else PlainIO()
-    if world is not None:
-        io = SharedIO(io, world)
+    io = SharedIO(RichIO() if sys.stdin.isatty() and sys.stdout.isatty() else PlainIO(), world)
     if isinstance(getattr(io, "io", io), RichIO):
         io.notice(f"dflash-mlx chat ({mode}) - /help for commands, /exit to quit")
     if not chat.templated:

@@ -44,23 +44,22 @@ def generate_command(
     target, runner = load_pair(model, drafter, mode, world)
     ids = encode_prompt(target.tokenizer, prompt, chat_template, system, thinking)
     cfg = dataclasses.replace(cfg, stop_ids=stop_ids(target.tokenizer))
-    session = Session(target, runner if mode in ("dflash", "ddtree") else None)
-    main = world is None or world.is_main  # only rank 0 prints
-    stats, text = Stats(), []
+    session = Session(target, runner if cfg.uses_drafter else None)
+    stats, text = Stats(), []  # (stats: the last chunk's running totals)
     for chunk in stream_generate(session, ids, cfg):
-        stats.add(chunk.round)
+        stats = chunk.stats
         text.append(chunk.text)
-        if world is not None:
-            world.beat()
-        if main and not as_json:
+        world.beat()
+        if world.is_main and not as_json:  # only rank 0 prints
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
-    if not main:
+    if not world.is_main:
         return
     if as_json:
-        extra = {"world_size": world.size if world else 1}
-        if world is not None:
-            extra["host_decisions"] = {"broadcasts": world.collectives, "bytes": world.bytes_agreed}
+        extra = {
+            "world_size": world.size,
+            "host_decisions": {"broadcasts": world.collectives, "bytes": world.bytes_agreed},
+        }
         print(json.dumps({"text": "".join(text), "mode": mode, **stats.to_dict(), **extra}))
         return
     sys.stdout.write("\n")

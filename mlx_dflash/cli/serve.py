@@ -69,8 +69,8 @@ def serve_command(
         cache_bytes=cache_mb * 2**20,
         cache_sessions=cache_sessions,
     )
-    app = App(target, runner if mode in ("dflash", "ddtree") else None, cfg, config, world)
-    if world is not None and not world.is_main:
+    app = App(target, runner if cfg.uses_drafter else None, cfg, config, world)
+    if not world.is_main:
         app.worker.follow(app.base)
         return
     try:

@@ -1,6 +1,11 @@
-"""`--budget auto` (docs/auto-budget.md): each round's tree size from measured verify cost and
-the drafter's calibrated confidence, and a pacer that pauses drafting while it loses to plain
-decoding steps."""
+"""The tree round's budget policy: a fixed `--budget N`, or `--budget auto` (docs/auto-budget.md):
+each round's tree size from measured verify cost and the drafter's calibrated confidence, and a
+pacer that pauses drafting while it loses to plain decoding steps.
+
+The tree round (ddtree.py) only asks its policy: draft this round? how deep? cut this tree?
+cut these lookup branches? and tells it what each round cost and earned. Both policies answer
+the same questions, so the round has no `if auto` of its own.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..paths import cache_root
-from .tree import Tree, expected_tokens
+from .session import Session
+from .tree import Tree, expected_tokens, graft
 
 AUTO_MAX_BUDGET = 64
 
@@ -33,36 +39,35 @@ class VerifyProfile:
     @classmethod
     def measure(cls, target, context: int = 256, repeats: int = 3) -> VerifyProfile:
         """Time chain-shaped verifies of each size after `context` cached tokens."""
-        cache = target.make_cache()
-        ids = mx.array(np.arange(context) % max(2, target.vocab_size - 1), dtype=mx.int32)
-        logits, _ = target.forward(ids, cache, 0, logits="last", taps=False, rewindable=False)
+        session = Session(target)
+        prompt = (np.arange(context) % max(2, target.vocab_size - 1)).tolist()
+        ids = mx.array(prompt, dtype=mx.int32)
+        logits, _ = target.forward(
+            ids, session.cache, 0, logits="last", taps=False, rewindable=False
+        )
+        session.commit(prompt)
         # The logits too: on a pipeline stage they are what carries the send to the next rank.
-        mx.eval(logits, [c.state_arrays for c in cache])
-        for c in cache:
-            c.snapshot()  # recurrent layers (hybrid targets) rewind to here after each verify
+        mx.eval(logits, [c.state_arrays for c in session.cache])
+        session.mark_prompt_end()  # recurrent layers (hybrid targets) rewind to here
         secs = []
         for n in cls.SIZES:
             parents = np.arange(-1, n - 1)
             best = float("inf")
             for _ in range(repeats + 1):
                 t0 = time.perf_counter()
-                logits, taps = target.forward(ids[:n], cache, context, parents=parents)
+                logits, taps = target.forward(ids[:n], session.cache, context, parents=parents)
                 mx.eval(logits, taps)
                 best = min(best, time.perf_counter() - t0)
-                for c in cache:
-                    c.trim(context)
+                session.commit([])  # keep nothing: every cache back to the context
             secs.append(best)
         return cls(cls.SIZES, secs)
 
     @classmethod
     def load_or_measure(cls, target, key: str) -> VerifyProfile:
         path = cache_root() / "profiles" / f"{key}.json"
-        world = getattr(target, "world", None)
         prof = cls._load(path)
-        found = prof is not None
-        if world is not None:  # measuring runs forwards, which all ranks must run together
-            found = world.all_true(found)
-        if found:
+        # Measuring runs forwards, which all ranks of a sharded target must run together.
+        if target.world.all_true(prof is not None):
             return prof
         prof = cls.measure(target)
         try:
@@ -87,8 +92,8 @@ def profile_key(target) -> str:
     device = "gpu" if mx.metal.is_available() else "cpu"
     ident = json.dumps(target.config, sort_keys=True, default=str)
     h = hashlib.sha1(ident.encode()).hexdigest()[:12]
-    world = getattr(target, "world", None)
-    shards = f"-tp{world.size}" if world is not None else ""
+    size = target.world.size
+    shards = f"-tp{size}" if size > 1 else ""
     return f"{target.model_type}-{h}-{platform.machine()}-{device}{shards}"
 
 
@@ -162,3 +167,115 @@ class Pacer:
             # Halved, not reset: one lucky probe on hard text must not restart every-round
             # drafting; a run of wins brings it down to 1 within a few rounds.
             self.backoff = max(1, self.backoff // 2)
+
+
+class FixedBudget:
+    """`--budget N`: every round drafts, and the heap alone stops the tree at N nodes."""
+
+    def __init__(self, budget: int):
+        self.max_budget = budget
+
+    def draft_now(self) -> bool:
+        return True
+
+    def cut(self, tree: Tree) -> Tree:
+        return tree
+
+    def cut_lookup(self, tree: Tree, chains: list[list[int]], lookup_stats, drafted: bool):
+        return chains
+
+    def record_plain(self, seconds: float) -> None:
+        pass
+
+    def record_tree(
+        self, tree: Tree, n_drafted: int, path: list[int], emitted: int, t_fixed: float, t: float
+    ) -> None:
+        pass
+
+
+class AutoBudget:
+    """`--budget auto`: the state it keeps between rounds, and the measured verify profile.
+
+    - `t_fixed`: a running estimate of a round's cost beyond the verify (draft, bookkeeping);
+    - `expected` / `realised`: running extra tokens, predicted by the drafter vs accepted,
+      whose ratio (`calibration`) scales the drafter's confidence;
+    - the `Pacer`, which pauses drafting while tree rounds lose to plain steps.
+    """
+
+    max_budget = AUTO_MAX_BUDGET
+
+    def __init__(self, profile: VerifyProfile):
+        self.profile = profile
+        self.pacer = Pacer(float(profile.cost(1)))
+        self.t_fixed = 0.0
+        self.expected = self.realised = 0.0
+        self.tree_rounds = 0
+
+    @classmethod
+    def for_target(cls, target) -> AutoBudget:
+        """With the target's verify profile, measured once per model and machine and cached."""
+        return cls(VerifyProfile.load_or_measure(target, profile_key(target)))
+
+    @property
+    def calibration(self) -> float:
+        """Accepted / predicted extra tokens so far (1 until there is evidence), in [0.1, 2].
+
+        Both running means start at 0 and decay alike, so their ratio needs no warm-up
+        correction; a few rounds keep one lucky round from deciding it.
+        """
+        if self.tree_rounds < 4 or self.expected <= 1e-6:
+            return 1.0
+        return float(np.clip(self.realised / self.expected, 0.1, 2.0))
+
+    def draft_now(self) -> bool:
+        return self.pacer.draft_now()
+
+    def cut(self, tree: Tree) -> Tree:
+        """The tree's first b+1 nodes, b the budget that maximises expected tokens per second."""
+        b = choose_budget(tree, self.profile, self.t_fixed, self.calibration)
+        return Tree(
+            tree.tokens[: b + 1],
+            tree.parents[: b + 1],
+            tree.depths[: b + 1],
+            tree.log_probs[: b + 1],
+        )
+
+    def cut_lookup(self, tree: Tree, chains: list[list[int]], lookup_stats, drafted: bool):
+        """Lookup branches cut to the length that maximises expected tokens per second at the
+        measured lookup acceptance (`lookup_stats`); none when they do not pay."""
+        if not chains:
+            return chains
+        base = 1.0
+        if drafted:
+            base += self.calibration * (expected_tokens(tree)[-1] - 1.0)
+        best, best_rate = 0, base / (self.t_fixed + self.profile.cost(len(tree.tokens)))
+        for length in range(1, max(len(c) for c in chains) + 1):
+            size = len(graft(tree, [c[:length] for c in chains]).tokens)
+            rate = (base + lookup_stats.expected(length)) / (self.t_fixed + self.profile.cost(size))
+            if rate > best_rate:
+                best, best_rate = length, rate
+        return [c[:best] for c in chains] if best else []
+
+    def record_plain(self, seconds: float) -> None:
+        self.pacer.record_plain(seconds)
+
+    def record_tree(
+        self, tree: Tree, n_drafted: int, path: list[int], emitted: int, t_fixed: float, t: float
+    ) -> None:
+        """A tree round: its first `n_drafted` nodes were the drafter's (0: lookup only), it
+        accepted `path`, emitted `emitted` tokens, spent `t_fixed` outside the verify and `t`
+        in all."""
+        self.t_fixed = 0.8 * self.t_fixed + 0.2 * t_fixed if self.t_fixed else t_fixed
+        if n_drafted:
+            predicted = expected_tokens(tree)[n_drafted - 1] - 1.0
+            self.expected = 0.9 * self.expected + 0.1 * predicted
+            self.realised = 0.9 * self.realised + 0.1 * sum(i < n_drafted for i in path[1:])
+        self.tree_rounds += 1
+        self.pacer.record_tree(emitted, t)
+
+
+def budget_policy(target, budget: int | str) -> FixedBudget | AutoBudget:
+    """The policy for `--budget` (a node count, or "auto")."""
+    if budget == "auto":
+        return AutoBudget.for_target(target)
+    return FixedBudget(int(budget))

@@ -30,7 +30,7 @@ class PromptLookup:
     def sync(self, tokens: list[int]) -> None:
         """Index `tokens`: appended when they extend what was indexed, else a fresh start."""
         if tokens[: len(self.tokens)] != self.tokens:
-            self.__init__(self.max_ngram, self.min_ngram)
+            self.tokens, self.index = [], defaultdict(list)
         self.extend(tokens[len(self.tokens) :])
 
     def extend(self, new: list[int]) -> None:

@@ -1,12 +1,13 @@
-"""The steps of a generation: prefill, one DFlash round, one plain decoding step.
+"""The steps of a generation: prefill, the block round (DFlash), one plain decoding step.
 
-A DFlash round drafts a block in one drafter pass, verifies it in one target pass and commits
-the accepted prefix (docs/dflash.md); DDTree's round is in ddtree.py.
+A block round drafts in one drafter pass, verifies in one target pass and commits the accepted
+prefix through Session.commit (docs/dflash.md); the tree round is in ddtree.py.
 """
 
 from __future__ import annotations
 
 import time
+from typing import cast
 
 import mlx.core as mx
 import numpy as np
@@ -32,42 +33,39 @@ def to_host(x: mx.array) -> np.ndarray:
 
 
 def prefill(session: Session, prompt: list[int], cfg: GenerationConfig) -> tuple[mx.array, Round]:
-    """Run the new part of the prompt in chunks; feed taps to the drafter as they come."""
+    """Run the new part of the prompt in chunks, committing each (taps feed the drafter)."""
     t0 = time.perf_counter()
     target, drafter = session.target, session.drafter
     new = session.rewind(prompt)
     logits = None
     for i in range(0, len(new), cfg.prefill_chunk):
         chunk = new[i : i + cfg.prefill_chunk]
-        start = len(session.tokens)
         logits, taps = target.forward(
             mx.array(chunk),
             session.cache,
-            start,
+            len(session.tokens),
             logits="last",
             taps=drafter is not None,
             rewindable=False,
         )
-        if drafter is not None:
-            drafter.add_context(taps)
+        session.commit(chunk, taps)
         _sync((logits, [c.state_arrays for c in session.cache]))
-        session.tokens.extend(chunk)
-        if session.world is not None:
-            session.world.beat()  # a long prefill is progress too (the watchdog's view)
-    for c in session.cache:
-        c.snapshot()
+        session.world.beat()  # a long prefill is progress too (a sharded target's watchdog)
+    session.mark_prompt_end()
     dt = time.perf_counter() - t0
+    assert logits is not None  # rewind leaves at least one prompt token to run
     return logits, Round([], 0, 0, prefill=True, prefill_tokens=len(new), t_prefill=dt)
 
 
-def _pick(logits: mx.array, sampling: SamplingParams, rng) -> int:
+def _pick(logits: mx.array | None, sampling: SamplingParams, rng) -> int:
+    assert logits is not None
     if sampling.greedy:
-        return int(mx.argmax(logits[-1]).item())
+        return int(cast(int, mx.argmax(logits[-1]).item()))
     return draw(token_probs(logits[-1:], sampling)[0], rng)
 
 
-def dflash_round(session: Session, last: int, n: int, sampling, rng, profile=False) -> Round:
-    """Draft n tokens in one drafter pass, verify n+1 in one target pass, commit the accepted.
+def block_round(session: Session, last: int, n: int, sampling, rng, profile=False) -> Round:
+    """DFlash: draft n tokens in one drafter pass, verify n+1 in one target pass, commit.
 
     One host sync a round: the drafts stay on the device, and one transfer brings back the
     drafts with the target's choices (greedy), or with the accepted count and the next token
@@ -76,31 +74,25 @@ def dflash_round(session: Session, last: int, n: int, sampling, rng, profile=Fal
     the output). `profile` also syncs after drafting, so that the time split (Round.t_draft /
     t_verify / t_build) is the device's.
     """
-    target, drafter = session.target, session.drafter
     start = len(session.tokens)
-    if not sampling.greedy:
-        key_d, key_a = mx.random.split(mx.random.key(int(rng.integers(2**31))))
     t0 = time.perf_counter()
-    q_logits = drafter.propose(last, start, n)
-    if sampling.greedy:
-        drafts = mx.argmax(q_logits, axis=-1).astype(mx.int32)
-    else:
-        q = device_probs(q_logits, sampling)
-        drafts = mx.random.categorical(mx.log(q), key=key_d).astype(mx.int32)
+    drafts, q, key_accept = _draft_block(session.drafter, last, start, n, sampling, rng)
     t_build = time.perf_counter() - t0
     if profile:
         mx.eval(drafts)
     t1 = time.perf_counter()
     tokens = mx.concatenate([mx.array([last], dtype=mx.int32), drafts])
-    logits, taps = target.forward(tokens, session.cache, start)
+    logits, taps = session.target.forward(tokens, session.cache, start)
+    assert logits is not None
     if sampling.greedy:
         decided = mx.argmax(logits, axis=-1).astype(mx.int32)
     else:
-        a, bonus = speculative_on_device(drafts, device_probs(logits, sampling), q, key_a)
-        decided = mx.stack([a, bonus]).astype(mx.int32)
-    result = mx.concatenate([drafts, decided])
-    if session.world is not None:  # every rank follows rank 0's drafts and decisions
-        result = session.world.agree_device(result)
+        n_ok, next_tok = speculative_on_device(
+            drafts, device_probs(logits, sampling), q, key_accept
+        )
+        decided = mx.stack([n_ok, next_tok]).astype(mx.int32)
+    # Every rank of a sharded target follows rank 0's drafts and decisions.
+    result = session.world.agree_device(mx.concatenate([drafts, decided]))
     t_build += time.perf_counter() - t1
     host = to_host(result)  # the round's one sync
     t2 = time.perf_counter()
@@ -109,10 +101,7 @@ def dflash_round(session: Session, last: int, n: int, sampling, rng, profile=Fal
     else:
         a, bonus = int(host[n]), int(host[n + 1])
     accepted = host[:a].tolist()
-    for c in session.cache:
-        c.trim(start + a + 1)
-    session.tokens.extend([last, *accepted])
-    drafter.add_context(taps[: a + 1])
+    session.commit([last, *accepted], taps)
     return Round(
         [*accepted, bonus],
         a + 1,
@@ -124,18 +113,25 @@ def dflash_round(session: Session, last: int, n: int, sampling, rng, profile=Fal
     )
 
 
+def _draft_block(drafter, last: int, start: int, n: int, sampling, rng):
+    """(drafts on the device, their distribution q or None, the acceptance rule's key)."""
+    q_logits = drafter.propose(last, start, n)
+    if sampling.greedy:
+        return mx.argmax(q_logits, axis=-1).astype(mx.int32), None, None
+    key_draft, key_accept = mx.random.split(mx.random.key(int(rng.integers(2**31))))
+    q = device_probs(q_logits, sampling)
+    return mx.random.categorical(mx.log(q), key=key_draft).astype(mx.int32), q, key_accept
+
+
 def plain_round(session: Session, last: int, sampling, rng, feed_drafter: bool = False) -> Round:
     """Plain decoding through the same adapter: the baseline, and DDTree's pause between drafts.
 
     feed_drafter: also hand the drafter this position's taps, so drafting can resume next round.
     """
     t0 = time.perf_counter()
-    start = len(session.tokens)
     logits, taps = session.target.forward(
-        mx.array([last]), session.cache, start, taps=feed_drafter, rewindable=False
+        mx.array([last]), session.cache, len(session.tokens), taps=feed_drafter, rewindable=False
     )
-    if feed_drafter:
-        session.drafter.add_context(taps)
     tok = session.agree([_pick(logits, sampling, rng)])[0]
-    session.tokens.append(last)
+    session.commit([last], taps)
     return Round([tok], 1, 0, t_verify=time.perf_counter() - t0)

@@ -5,12 +5,25 @@ they hold. docs/dflash.md has the conventions (slot 0, positions, cache commit).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
 
 from ..errors import DFlashError
+from .contract import Drafter, TargetModel
 from .sampling import SamplingParams
 
 MODES = ("dflash", "ddtree", "lookup", "ar")
 DEFAULT_LOOKUP = 10  # tokens per prompt-lookup branch, when --mode lookup is not told
+# The kind of round each mode runs (loop.py picks the round from this, once per generation):
+# "plain" one target step, "block" a DFlash block, "tree" a DDTree / prompt-lookup tree.
+ROUND_KINDS = {"ar": "plain", "dflash": "block", "ddtree": "tree", "lookup": "tree"}
+DRAFTER_MODES = ("dflash", "ddtree")  # the modes that run a drafter
+
+
+def uses_drafter(mode: str) -> bool:
+    """Whether `mode` runs the drafter (lookup drafts from the text; ar drafts nothing)."""
+    return mode in DRAFTER_MODES
 
 
 def parse_budget(budget: int | str) -> int | str:
@@ -59,6 +72,15 @@ class GenerationConfig:
         if self.mode == "lookup" and not self.lookup:
             self.lookup = DEFAULT_LOOKUP
 
+    @property
+    def uses_drafter(self) -> bool:
+        return uses_drafter(self.mode)
+
+    @property
+    def round_kind(self) -> str:
+        """ "plain", "block" or "tree": what one round of this generation is."""
+        return ROUND_KINDS[self.mode]
+
 
 @dataclass
 class Round:
@@ -80,23 +102,49 @@ class Round:
 class Session:
     """Caches that outlive one generate call (chat reuses the prompt prefix across turns).
 
-    A Session is not thread-safe: one generation at a time runs on it.
+    The target's caches hold exactly `tokens`, and the drafter (if any) holds their context;
+    `commit` is the one place that moves the three forward together, `rewind` the one place
+    that moves them back. A Session is not thread-safe: one generation at a time runs on it.
     """
 
-    def __init__(self, target, drafter=None):
+    def __init__(self, target: TargetModel, drafter: Drafter | None = None):
         self.target = target
         self.drafter = drafter
-        # A target sharded over several processes (mlx_dflash/distributed.py): host decisions
-        # are then taken on rank 0 and broadcast (`agree`).
-        self.world = getattr(target, "world", None)
+        # A target sharded over several processes (mlx_dflash/distributed.py) takes host
+        # decisions on rank 0 and broadcasts them; an unsharded one holds the local world.
+        self.world = target.world
         self.cache = target.make_cache()
         self.tokens: list[int] = []  # tokens whose K/V sit in the target cache
 
     def agree(self, values) -> list[int]:
         """Rank 0's ints on every rank of a sharded target; the values themselves otherwise."""
-        if self.world is None:
-            return [int(v) for v in values]
         return [int(v) for v in self.world.agree(values)]
+
+    def commit(self, kept: list[int], taps: mx.array | None = None, path: Any = None) -> None:
+        """Keep `kept`, the tokens just run after `self.tokens` that the output follows.
+
+        Linear (path None): the forward ran a block whose first len(kept) tokens are kept, so
+        every cache drops the rest. Tree: `path` are the kept nodes' indices in the verified
+        tree (root first), and every cache compacts them into place. The drafter gets the kept
+        positions' taps; `fed=False` when the forward made none (a plain step with no drafter
+        to feed), so that the drafter lags and `rewind` knows it.
+        """
+        start = len(self.tokens)
+        if path is None:
+            end = start + len(kept)
+            for c in self.cache:
+                c.trim(end)
+        else:
+            for c in self.cache:
+                c.compact(start, path)
+        self.tokens.extend(kept)
+        if self.drafter is not None and taps is not None:
+            self.drafter.add_context(taps[: len(kept)] if path is None else taps[mx.array(path)])
+
+    def mark_prompt_end(self) -> None:
+        """Recurrent layers remember this point, so a later turn can rewind to it."""
+        for c in self.cache:
+            c.snapshot()
 
     def rewind(self, prompt: list[int]) -> list[int]:
         """Keep the longest cached prefix of `prompt` (at least one token left to run)."""
@@ -109,8 +157,7 @@ class Session:
             n = min(n, self.drafter.context_len)
         # Recurrent layers only rewind to a few points (see models/gated_deltanet.py).
         n = min([n] + [c.rewind_point(n) for c in self.cache])
-        if self.world is not None:  # pipeline stages hold different layers: the furthest back
-            n = self.world.all_min(n)
+        n = self.world.all_min(n)  # pipeline stages hold different layers: the furthest back
         for c in self.cache:
             c.trim(n)
         if self.drafter is not None:

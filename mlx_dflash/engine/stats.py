@@ -21,8 +21,10 @@ class Stats:
     t_other: float = 0.0
     t_build: float = 0.0  # Python building graphs, inside draft + verify
     taus: list[int] = field(default_factory=list)
+    tau_total: int = 0  # sum(taus), kept as rounds come: every streamed chunk reads the mean
     draft_rounds: int = 0  # rounds that ran the drafter (auto's pauses and plain steps do not)
     finish: str | None = None
+    peak_memory: float = 0.0  # GB that MLX held at most (mx.get_peak_memory, as mlx-lm reports)
 
     def merge(self, other: Stats) -> None:
         """Add another generation's totals (a chat session's running stats)."""
@@ -34,7 +36,9 @@ class Stats:
         self.t_other += other.t_other
         self.t_build += other.t_build
         self.taus += other.taus
+        self.tau_total += other.tau_total
         self.draft_rounds += other.draft_rounds
+        self.peak_memory = max(self.peak_memory, other.peak_memory)
 
     def add(self, r: Round) -> None:
         if r.prefill:
@@ -43,6 +47,7 @@ class Stats:
             self.t_other += r.t_other  # sampling the first token
         else:
             self.taus.append(r.accepted)
+            self.tau_total += r.accepted
             self.draft_rounds += r.t_draft > 0
             self.t_draft += r.t_draft
             self.t_verify += r.t_verify
@@ -56,22 +61,29 @@ class Stats:
         return self.t_draft + self.t_verify + self.t_other
 
     @property
+    def generation_tps(self) -> float:
+        """Tokens per second of decoding (the first token comes from the prefill)."""
+        t = self.t_decode
+        return (self.tokens - 1) / t if t > 0 and self.tokens > 1 else 0.0
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.t_prefill if self.t_prefill else 0.0
+
+    @property
     def mean_tau(self) -> float:
-        return sum(self.taus) / len(self.taus) if self.taus else 0.0
+        return self.tau_total / len(self.taus) if self.taus else 0.0
 
     @property
     def histogram(self) -> dict[int, int]:
         return dict(sorted(Counter(self.taus).items()))
 
     def to_dict(self) -> dict:
-        gen_tps = (
-            (self.tokens - 1) / self.t_decode if self.t_decode > 0 and self.tokens > 1 else 0.0
-        )
         return {
             "prompt_tokens": self.prompt_tokens,
-            "prompt_tps": self.prompt_tokens / self.t_prefill if self.t_prefill else 0.0,
+            "prompt_tps": self.prompt_tps,
             "generated_tokens": self.tokens,
-            "generation_tps": gen_tps,
+            "generation_tps": self.generation_tps,
             "rounds": len(self.taus),
             "draft_rounds": self.draft_rounds,
             "mean_tau": self.mean_tau,
@@ -84,6 +96,7 @@ class Stats:
             "time_other_s": self.t_other,
             "time_build_s": self.t_build,
             "time_prefill_s": self.t_prefill,
+            "peak_memory_gb": self.peak_memory,
             "finish_reason": self.finish,
         }
 

@@ -83,21 +83,29 @@ def top_candidates(
         on_host = not mx.metal.is_available()
     k = min(k, logits.shape[-1])
     if on_host:
-        x = np.array(logits.astype(mx.float32))
-        top = x.max(axis=-1, keepdims=True)
-        lse = top + np.log(np.exp(x - top).sum(axis=-1, keepdims=True))
-        idx = np.argpartition(-x, k - 1, axis=-1)[:, :k] if k < x.shape[-1] else None
-        if idx is None:
-            idx = np.broadcast_to(np.arange(x.shape[-1]), x.shape)
-        vals = np.take_along_axis(x, idx, axis=-1) - lse
-        order = np.argsort(-vals, axis=-1, kind="stable")
-        return np.take_along_axis(idx, order, axis=-1), np.take_along_axis(
-            vals, order, axis=-1
-        ).astype(np.float64)
-    logits = logits.astype(mx.float32)
+        return _top_on_host(np.array(logits.astype(mx.float32)), k)
+    return _top_on_device(logits.astype(mx.float32), k)
+
+
+def _top_on_host(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    top = x.max(axis=-1, keepdims=True)
+    lse = top + np.log(np.exp(x - top).sum(axis=-1, keepdims=True))
+    if k < x.shape[-1]:
+        idx = np.argpartition(-x, k - 1, axis=-1)[:, :k]
+    else:
+        idx = np.broadcast_to(np.arange(x.shape[-1]), x.shape)
+    vals = np.take_along_axis(x, idx, axis=-1) - lse
+    order = np.argsort(-vals, axis=-1, kind="stable")
+    return np.take_along_axis(idx, order, axis=-1), np.take_along_axis(vals, order, axis=-1).astype(
+        np.float64
+    )
+
+
+def _top_on_device(logits: mx.array, k: int) -> tuple[np.ndarray, np.ndarray]:
     lse = mx.logsumexp(logits, axis=-1, keepdims=True)
-    idx = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k] if k < logits.shape[-1] else None
-    if idx is None:
+    if k < logits.shape[-1]:
+        idx = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k]
+    else:
         idx = mx.broadcast_to(mx.arange(logits.shape[-1]), logits.shape)
     vals = mx.take_along_axis(logits, idx, axis=-1) - lse
     order = mx.argsort(-vals, axis=-1)

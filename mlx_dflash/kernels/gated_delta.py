@@ -1,10 +1,10 @@
 """Metal kernels for Gated DeltaNet verification (metal/gated_delta.metal) and their dispatch.
 
-The MLX-ops tree recurrence in hybrid.py runs one batched step per depth level, with a gather
+The MLX-ops tree recurrence (`tree_recurrence_reference` below) runs one batched step per depth level, with a gather
 and a few full-state temporaries per level; its replay on commit is one op chain per accepted
 node. On Apple GPUs two kernels do the same work in one launch each: `gdn_tree_verify` walks
 the tree per value row with the state in registers, `gdn_tape_replay` rebuilds the state
-after the accepted path. hybrid.py keeps the ops code as the reference and the fallback for
+after the accepted path. The ops code stays as the reference and the fallback for
 shapes the kernels do not take and for machines without Metal.
 
 Backend choice: DFLASH_GDN=auto (default) | metal | reference.

@@ -7,6 +7,8 @@ window (`compact`). Storage grows in steps so appends rarely reallocate.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import mlx.core as mx
 
 
@@ -24,20 +26,19 @@ class KVCache:
         """Write new rows after the current offset; return all valid rows."""
         n = keys.shape[2]
         needed = self.offset + n
-        if self.keys is None or needed > self.keys.shape[2]:
+        k_buf, v_buf = self.keys, self.values
+        if k_buf is None or v_buf is None or needed > k_buf.shape[2]:
             capacity = ((needed + self.step - 1) // self.step) * self.step
-            k_shape = (*keys.shape[:2], capacity, keys.shape[3])
-            v_shape = (*values.shape[:2], capacity, values.shape[3])
-            new_k = mx.zeros(k_shape, keys.dtype)
-            new_v = mx.zeros(v_shape, values.dtype)
-            if self.keys is not None and self.offset:
-                new_k[..., : self.offset, :] = self.keys[..., : self.offset, :]
-                new_v[..., : self.offset, :] = self.values[..., : self.offset, :]
-            self.keys, self.values = new_k, new_v
-        self.keys[..., self.offset : needed, :] = keys
-        self.values[..., self.offset : needed, :] = values
+            new_k = mx.zeros((*keys.shape[:2], capacity, keys.shape[3]), keys.dtype)
+            new_v = mx.zeros((*values.shape[:2], capacity, values.shape[3]), values.dtype)
+            if k_buf is not None and v_buf is not None and self.offset:
+                new_k[..., : self.offset, :] = k_buf[..., : self.offset, :]
+                new_v[..., : self.offset, :] = v_buf[..., : self.offset, :]
+            self.keys, self.values = k_buf, v_buf = new_k, new_v
+        k_buf[..., self.offset : needed, :] = keys
+        v_buf[..., self.offset : needed, :] = values
         self.offset = needed
-        return self.keys[..., :needed, :], self.values[..., :needed, :]
+        return k_buf[..., :needed, :], v_buf[..., :needed, :]
 
     def extend(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """All valid rows followed by these, without keeping them (the next append writes
@@ -58,15 +59,22 @@ class KVCache:
 
     def compact(self, start: int, keep: mx.array | list[int]) -> None:
         """Keep rows start+keep[i] (increasing), moved to start+i; drop the rest of the window."""
+        k_buf, v_buf = self.keys, self.values
+        if k_buf is None or v_buf is None:
+            return
         keep = mx.array(keep, dtype=mx.int32) if not isinstance(keep, mx.array) else keep
         n = keep.shape[0]
-        if self.keys is None:
-            return
         rows = start + keep
-        self.keys[..., start : start + n, :] = self.keys[..., rows, :]
-        self.values[..., start : start + n, :] = self.values[..., rows, :]
+        k_buf[..., start : start + n, :] = k_buf[..., rows, :]
+        v_buf[..., start : start + n, :] = v_buf[..., rows, :]
         self.offset = start + n
 
     @property
     def state_arrays(self) -> list[mx.array]:
-        return [] if self.keys is None else [self.keys, self.values]
+        return [] if self.keys is None or self.values is None else [self.keys, self.values]
+
+
+if TYPE_CHECKING:  # mypy checks KVCache against the engine's Cache protocol (engine/contract.py)
+    from ..engine.contract import Cache
+
+    _conforms_kvcache: type[Cache] = KVCache

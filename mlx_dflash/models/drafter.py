@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -263,7 +264,7 @@ def init_drafter(cfg: DrafterConfig, seed: int = 0) -> DFlashDrafter:
     mx.random.seed(seed)
     model = DFlashDrafter(cfg)
     std = 1.0 / math.sqrt(cfg.hidden_size)
-    params = nn.utils.tree_flatten(model.parameters())
+    params = cast(list[tuple[str, mx.array]], nn.utils.tree_flatten(model.parameters()))
     new = [
         (k, mx.ones_like(v) if k.endswith("norm.weight") else mx.random.normal(v.shape) * std)
         for k, v in params
@@ -321,3 +322,11 @@ def reshape_drafter(
     mx.eval(grown.parameters())
     grown.draft_vocab = drafter.draft_vocab
     return grown
+
+
+if (
+    TYPE_CHECKING
+):  # mypy checks DrafterRunner against the engine's Drafter protocol (engine/contract.py)
+    from ..engine.contract import Drafter
+
+    _conforms_drafterrunner: type[Drafter] = DrafterRunner

@@ -12,6 +12,7 @@ the conv state from the accepted inputs. No full state per step is kept beyond o
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -30,8 +31,9 @@ class RecurrentCache:
         self.conv: mx.array | None = None  # (1, K-1, conv_dim): last inputs before `offset`
         self.state: mx.array | None = None  # (1, Hv, Dv, Dk) float32
         self.offset = 0
-        self.pending = None  # tape of the last verify, until it is committed
-        self.snapshot_state = None  # (conv, state, offset) after the last prompt
+        self.pending: dict[str, Any] | None = None  # the last verify's tape, until committed
+        # (conv, state, offset) after the last prompt
+        self.snapshot_state: tuple[mx.array | None, mx.array | None, int] | None = None
 
     def rewind_point(self, length: int) -> int:
         """The longest prefix <= length this layer can return to: inside its last linear
@@ -69,7 +71,7 @@ class RecurrentCache:
 
     def compact(self, start: int, keep) -> None:
         """Keep the tree nodes `keep` (a root-to-node path) of the verify that began at start."""
-        keep = [int(i) for i in (keep.tolist() if isinstance(keep, mx.array) else keep)]
+        keep = [int(i) for i in (np.array(keep) if isinstance(keep, mx.array) else keep)]
         if self.pending is None or self.pending["start"] != start:
             raise DFlashError("Nothing to compact: the last verify did not start there.")
         self.commit(keep)
@@ -77,6 +79,8 @@ class RecurrentCache:
     def commit(self, path: list[int]) -> None:
         """State after the nodes of `path` (root first, each the parent of the next)."""
         p = self.pending
+        if p is None:
+            raise DFlashError("Nothing to commit: no verify is pending.")
         self.state = replay(p["state0"], p["k"], p["g"], p["delta"], path)[None]
         # Conv window: the last K-1 inputs along the accepted path (pre-verify rows first).
         rows = (
@@ -211,3 +215,11 @@ def _reduced(layer, out: mx.array) -> mx.array:
     splits the heads and leaves the all-reduce to the layer's own call, which we replace)."""
     group = getattr(layer, "sharding_group", None)
     return out if group is None else mx.distributed.all_sum(out, group=group)
+
+
+if (
+    TYPE_CHECKING
+):  # mypy checks RecurrentCache against the engine's Cache protocol (engine/contract.py)
+    from ..engine.contract import Cache
+
+    _conforms_recurrentcache: type[Cache] = RecurrentCache

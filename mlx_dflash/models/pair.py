@@ -4,29 +4,32 @@ from __future__ import annotations
 
 from ..checkpoints.registry import find_drafter
 from ..checkpoints.resolve import resolve_model
+from ..distributed import LOCAL, LocalWorld, World, split
+from ..engine.session import uses_drafter
 from ..paths import DEFAULT_DRAFTER, DEFAULT_TARGET
 from .drafter import DrafterRunner, load_drafter
 from .target import Target, load_target
 
 
 def load_pair(
-    model: str | None = None, drafter: str | None = None, mode: str = "dflash", world=None
+    model: str | None = None,
+    drafter: str | None = None,
+    mode: str = "dflash",
+    world: World | LocalWorld = LOCAL,
 ) -> tuple[Target, DrafterRunner | None]:
     """Target and drafter from folders or hub ids (the embedded default pair when neither is
     given); a known target finds its published drafter without `drafter`. Modes that need no
     drafter ("ar", "lookup") load the target alone unless a drafter is named.
 
-    `world` (mlx_dflash.distributed): load the target lazily and keep this rank's shard."""
+    `world` (mlx_dflash.distributed): a sharded one loads the target lazily and keeps this
+    rank's shard."""
     if model is None:
         model = str(DEFAULT_TARGET)
         drafter = drafter or str(DEFAULT_DRAFTER)
     target_path = resolve_model(model, "target")
-    target = load_target(target_path, lazy=world is not None)
-    if world is not None:
-        from ..distributed import split
-
-        split(target, world)
-    if mode in ("ar", "lookup") and drafter is None:
+    target = load_target(target_path, lazy=world.sharded)
+    split(target, world)
+    if not uses_drafter(mode) and drafter is None:
         return target, None
     if drafter is None:
         drafter = find_drafter(model)

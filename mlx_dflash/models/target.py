@@ -10,13 +10,14 @@ rope, MLP/MoE) from one loop here; what differs per architecture is declared in 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from ..checkpoints.read import is_drafter_config, read_config, text_config
+from ..distributed import LOCAL, LocalWorld, World
 from ..errors import DFlashError
 from ..kernels.tree_attention import tree_depths
 from .attention import AttentionSpec, attention
@@ -30,7 +31,7 @@ ARCHITECTURES: dict[str, AttentionSpec] = {
     "qwen2": AttentionSpec(),
     "qwen3": AttentionSpec(qk_norm=True),
     "qwen3_moe": AttentionSpec(qk_norm=True),
-    # Hybrid: 3 of 4 layers are Gated DeltaNet (mlx_dflash/hybrid.py); partial RoPE comes
+    # Hybrid: 3 of 4 layers are Gated DeltaNet (models/gated_deltanet.py); partial RoPE comes
     # with the rope module mlx-lm builds.
     "qwen3_5": AttentionSpec(qk_norm=True, gated=True),
     "qwen3_5_moe": AttentionSpec(qk_norm=True, gated=True),
@@ -60,7 +61,7 @@ def architecture(config: dict) -> str:
             "model it drafts for with --model."
         )
     names = [config.get("model_type"), text_config(config).get("model_type")]
-    for name in names:
+    for name in filter(None, names):
         name = TEXT_MODEL_TYPES.get(name, name)
         if name in ARCHITECTURES:
             return name
@@ -90,7 +91,7 @@ class Target:
         self.inner = model.model
         self.layers = self.inner.layers
         self.num_layers = len(self.layers)
-        self.world = None  # set by mlx_dflash.distributed (shard or pipeline)
+        self.world: World | LocalWorld = LOCAL  # a World once distributed.split shards it
         self.stage = None  # a pipeline stage (mlx_dflash.distributed.Stage): my layers only
         self.hidden_size = int(self.text_config["hidden_size"])
         self.vocab_size = int(self.text_config["vocab_size"])
@@ -167,19 +168,19 @@ class Target:
         Returns (logits (T or 1, V) per `logits` in {"all", "last", "none"}, taps (T, n*H)).
         rewindable=False (prefill, plain decoding) lets recurrent layers skip the verify tape.
         """
-        positions, np_parents = None, parents
+        positions = mx_parents = None
         if parents is not None:
             positions = mx.array(start + tree_depths(parents), dtype=mx.int32)
-            parents = mx.array(parents, dtype=mx.int32)
+            mx_parents = mx.array(parents, dtype=mx.int32)
+        tree = (positions, mx_parents, parents)
         if self.stage is not None:
-            tree = (positions, parents, np_parents)
             return self.stage.forward(self, tokens, cache, start, tree, logits, taps, rewindable)
         h, tapped = self.run_layers(
             self.embed(tokens[None]),
             range(self.num_layers),
             cache,
             start,
-            (positions, parents, np_parents),
+            tree,
             set(self.tap_ids) if taps else set(),
             rewindable,
         )
@@ -255,3 +256,11 @@ def text_eos(config: dict):
     """The end-of-sequence id(s): top level, else the wrapped language model's."""
     eos = config.get("eos_token_id")
     return eos if eos is not None else text_config(config).get("eos_token_id")
+
+
+if (
+    TYPE_CHECKING
+):  # mypy checks Target against the engine's TargetModel protocol (engine/contract.py)
+    from ..engine.contract import TargetModel
+
+    _conforms_target: type[TargetModel] = Target

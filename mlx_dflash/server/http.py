@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from ..distributed import LOCAL
 from ..engine import GenerationConfig, SamplingParams
 from ..errors import DFlashError
 from ..prompts import has_template, render, stop_ids
@@ -45,7 +46,7 @@ class ServerConfig:
 class App:
     """What the handlers share: the loaded pair, the server's defaults, the worker."""
 
-    def __init__(self, target, runner, base: GenerationConfig, config: ServerConfig, world=None):
+    def __init__(self, target, runner, base: GenerationConfig, config: ServerConfig, world=LOCAL):
         self.target, self.tokenizer, self.config = target, target.tokenizer, config
         self.base = GenerationConfig(
             **{**vars(base), "stop_ids": stop_ids(target.tokenizer), "max_tokens": 1}

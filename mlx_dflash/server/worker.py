@@ -15,7 +15,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ..distributed import LOCAL
 from ..engine import GenerationConfig, SamplingParams, Stats, stream_generate
+from ..engine.session import uses_drafter
 from ..errors import DFlashError
 from .sessions import SessionPool
 from .text import StopStrings, ThinkingSplitter
@@ -50,7 +52,7 @@ class Worker:
     """On a sharded target (`world`), rank 0's worker sends each job to the other ranks, whose
     `follow()` runs the same generations in the same order (their text goes nowhere)."""
 
-    def __init__(self, target, runner, mode: str, pool: SessionPool, world=None):
+    def __init__(self, target, runner, mode: str, pool: SessionPool, world=LOCAL):
         self.target, self.runner, self.mode, self.pool = target, runner, mode, pool
         self.world = world
         self.jobs: queue.Queue[Job | None] = queue.Queue()
@@ -58,7 +60,7 @@ class Worker:
         self.served = 0
         self.finishes: list[str] = []  # how each job ended, in order (health, tests)
         self.thread = None
-        if world is None or world.is_main:
+        if world.is_main:
             self.thread = threading.Thread(target=self._loop, name="dflash-worker", daemon=True)
             self.thread.start()
 
@@ -111,8 +113,8 @@ class Worker:
             self.thread.join(timeout=10)
 
     def _next(self) -> Job | None:
-        if self.world is None:
-            return self.jobs.get()
+        """The next job not cancelled while it waited (None: stop); sent to the follower ranks
+        of a sharded target."""
         with self.world.idle():
             job = self.jobs.get()
         while job is not None and job.cancelled.is_set():
@@ -125,8 +127,6 @@ class Worker:
             job = self._next()
             if job is None:
                 return
-            if self.world is None and job.cancelled.is_set():
-                continue  # (sharded: the followers have it already; it stops in round one)
             self.busy = True
             try:
                 self._run(job)
@@ -140,9 +140,8 @@ class Worker:
                 self.served += 1
 
     def _run(self, job: Job) -> None:
-        with_drafter = self.mode in ("dflash", "ddtree")
-        session, _ = self.pool.take(job.prompt, with_drafter)
-        stats, tokens = Stats(), 0
+        session, _ = self.pool.take(job.prompt, uses_drafter(self.mode))
+        stats, tokens = Stats(), 0  # (stats: the last chunk's running totals)
         stops = StopStrings(job.stop)
         split = ThinkingSplitter(job.thinking, job.tags) if job.thinking is not None else None
         finish, hit = None, None
@@ -150,7 +149,7 @@ class Worker:
         gen = stream_generate(session, job.prompt, job.cfg)
         try:
             for chunk in gen:
-                stats.add(chunk.round)
+                stats = chunk.stats
                 tokens += sum(1 for t in chunk.tokens if t not in stop_ids)
                 text, hit = stops.feed(chunk.text)
                 self._emit(job, split, text)
@@ -160,10 +159,8 @@ class Worker:
                 if chunk.round.finished:
                     finish = chunk.round.finished
                     break
-                cancelled = job.cancelled.is_set()
-                if self.world is not None:  # rank 0's client decides for every rank
-                    cancelled = bool(self.world.agree([cancelled])[0])
-                if cancelled:
+                # Rank 0's client decides for every rank of a sharded target.
+                if self.world.agree([job.cancelled.is_set()])[0]:
                     finish = "cancelled"
                     break
         finally:

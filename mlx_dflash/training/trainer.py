@@ -19,7 +19,7 @@ import mlx.optimizers as optim
 import numpy as np
 
 from ..checkpoints.resolve import resolve_model
-from ..engine import GenerationConfig, Session, Stats, generate_rounds
+from ..engine import GenerationConfig, Session, Stats, stream_generate
 from ..errors import DFlashError
 from ..models.drafter import DFlashDrafter, DrafterRunner
 from ..models.drafter_config import DRAFTER_ARCHITECTURE, DrafterConfig, default_target_layer_ids
@@ -128,9 +128,9 @@ def eval_tau(drafter: DFlashDrafter, target, prompts: list[list[int]], max_token
     for ids in prompts:
         session = Session(target, DrafterRunner(drafter, target))
         stats = Stats()
-        for rnd in generate_rounds(session, ids, cfg):
-            stats.add(rnd)
-            total.add(rnd)
+        for chunk in stream_generate(session, ids, cfg):
+            stats = chunk.stats
+        total.merge(stats)
         if stats.taus:
             per_prompt.append(stats.mean_tau)
     return {

@@ -1,0 +1,135 @@
+"""What the engine asks of the models it drives: a target, its caches, a drafter, a world.
+
+The engine never imports `models/`; it runs whatever it is given through these four protocols.
+Every implementation (models/cache.py's KVCache, models/gated_deltanet.py's RecurrentCache,
+distributed.py's NotHere and worlds, models/drafter.py's DrafterRunner, models/target.py's
+Target, and the tests' oracle drafters) is checked against them by mypy (`make lint`), through
+the `_conforms` lines at the end of each implementing module.
+
+A round of any kind is: draft (Drafter.propose) -> verify (TargetModel.forward) -> walk ->
+commit (engine/session.py's Session.commit, the one place that calls Cache.trim / compact and
+Drafter.add_context).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import mlx.core as mx
+import numpy as np
+
+
+class Cache(Protocol):
+    """One target layer's cache: verification writes every drafted token, commit keeps some."""
+
+    offset: int
+
+    def rewind_point(self, length: int) -> int:
+        """The longest prefix <= length this cache can return to."""
+        ...
+
+    def snapshot(self) -> None:
+        """Remember this point (the end of a prompt) as one a later turn can rewind to."""
+        ...
+
+    def trim(self, length: int) -> None:
+        """Keep the first `length` positions (a linear block's accepted prefix)."""
+        ...
+
+    def compact(self, start: int, keep: Any) -> None:
+        """Keep the tree nodes `keep` (a root-to-node path) of the verify that began at start."""
+        ...
+
+    @property
+    def state_arrays(self) -> list[mx.array]:
+        """The arrays to evaluate so the cache is materialised (prefill syncs on them)."""
+        ...
+
+
+class Drafter(Protocol):
+    """A draft source fed with the target's taps (KV injection): a DFlash drafter, or a test's
+    oracle. It holds context for exactly the positions the target's cache holds."""
+
+    block_size: int
+
+    @property
+    def context_len(self) -> int: ...
+
+    def reset(self, length: int = 0) -> None:
+        """Forget context from `length` on (the Session rewound to a shorter prefix)."""
+        ...
+
+    def add_context(self, taps: mx.array) -> None:
+        """Taps (T, n_taps * H) of T newly committed positions."""
+        ...
+
+    def propose(self, last_token: int, start: int, n: int) -> mx.array:
+        """Logits (n, V) for positions start+1..start+n, from one drafter pass."""
+        ...
+
+
+class World(Protocol):
+    """Where host decisions are agreed: one process (distributed.LocalWorld), or the ranks of
+    a sharded target (distributed.World), where rank 0 decides and broadcasts."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def is_main(self) -> bool: ...
+
+    @property
+    def sharded(self) -> bool: ...
+
+    def agree(self, values: Any) -> np.ndarray: ...
+
+    def all_min(self, value: int) -> int: ...
+
+    def all_true(self, flag: bool) -> bool: ...
+
+    def agree_seq(self, values: Any) -> np.ndarray: ...
+
+    def agree_device(self, x: mx.array) -> mx.array: ...
+
+    def beat(self) -> None: ...
+
+    def idle(self) -> AbstractContextManager[Any]: ...
+
+    def send_text(self, text: str | None) -> str | None: ...
+
+
+class TargetModel(Protocol):
+    """The model whose output the engine reproduces exactly."""
+
+    tokenizer: Any
+    config: dict
+    model_type: str
+    vocab_size: int
+    model: Any  # the mlx-lm module (Metal's wired limit sizes itself from its weights)
+
+    @property
+    def world(self) -> World:
+        """Where this target's host decisions are agreed (distributed.LOCAL when unsharded)."""
+        ...
+
+    def make_cache(self) -> list[Any]:
+        """One Cache per layer."""
+        ...
+
+    def forward(
+        self,
+        tokens: mx.array,
+        cache: list[Any],
+        start: int,
+        parents: np.ndarray | None = None,
+        logits: str = "all",
+        taps: bool = True,
+        rewindable: bool = True,
+    ) -> tuple[mx.array | None, mx.array | None]:
+        """(logits, taps) of T tokens after `start` cached positions: a causal block, or a tree
+        given by `parents` (see models/target.py)."""
+        ...
