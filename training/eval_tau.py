@@ -14,14 +14,12 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import mlx_dflash  # noqa: E402, F401  (OpenBLAS before mlx)
-from mlx_dflash.models.drafter import load_drafter  # noqa: E402
-from mlx_dflash.models.target import load_target  # noqa: E402
-from mlx_dflash.paths import DEFAULT_DRAFTER, DEFAULT_TARGET  # noqa: E402
-from mlx_dflash.training.data import encode  # noqa: E402
-from mlx_dflash.training.trainer import eval_tau  # noqa: E402
+import mlx_dflash  # noqa: F401  (OpenBLAS before mlx)
+from mlx_dflash.models.drafter import load_drafter
+from mlx_dflash.models.target import load_target
+from mlx_dflash.paths import DEFAULT_DRAFTER, DEFAULT_TARGET
+from mlx_dflash.training.data import encode
+from mlx_dflash.training.trainer import eval_tau
 
 OPENINGS = [
     "Once upon a time, there was a little dog",

@@ -23,11 +23,11 @@ import random
 import sys
 from pathlib import Path
 
+from mlx_dflash.benchmark.datasets import PACKAGED, load_prompts
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.prompt_files import read_records
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from mlx_dflash.benchmark.datasets import PACKAGED, load_prompts  # noqa: E402
-from mlx_dflash.errors import DFlashError  # noqa: E402
-from mlx_dflash.prompt_files import read_records  # noqa: E402
 
 SHAREGPT = ROOT.parent / "shared" / "data" / "train" / "sharegpt_prompts.jsonl"
 

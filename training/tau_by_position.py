@@ -21,22 +21,19 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # isort: off
-import mlx_dflash  # noqa: E402, F401  (OpenBLAS before mlx)
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
-from mlx_dflash.benchmark.datasets import load_prompts  # noqa: E402
-from mlx_dflash.errors import DFlashError  # noqa: E402
-from mlx_dflash.engine import GenerationConfig, Session, generate_rounds  # noqa: E402
-from mlx_dflash.models.drafter import DrafterRunner, drafter_logits, load_drafter  # noqa: E402
-from mlx_dflash.models.target import load_target  # noqa: E402
-from mlx_dflash.prompts import stop_ids  # noqa: E402
-from mlx_dflash.training.data import encode  # noqa: E402
-from mlx_dflash.training.forward import drafter_blocks, target_taps  # noqa: E402
+import mlx_dflash  # noqa: F401  (OpenBLAS before mlx)
+import mlx.core as mx
+import numpy as np
+from mlx_dflash.benchmark.datasets import load_prompts
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.engine import GenerationConfig, Session, generate_rounds
+from mlx_dflash.models.drafter import DrafterRunner, drafter_logits, load_drafter
+from mlx_dflash.models.target import load_target
+from mlx_dflash.prompts import stop_ids
+from mlx_dflash.training.data import encode
+from mlx_dflash.training.forward import drafter_blocks, target_taps
 # isort: on
 
 

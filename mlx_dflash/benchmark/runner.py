@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..engine import GenerationConfig, SamplingParams, Session, Stats, generate_rounds, parse_budget
-from ..engine.session import DEFAULT_LOOKUP
+from ..engine import GenerationConfig, SamplingParams, Session, Stats, parse_budget, stream_generate
+from ..engine.session import DEFAULT_LOOKUP, uses_drafter
 from ..errors import DFlashError
 from ..models.pair import load_pair
 from ..prompts import encode_prompt, stop_ids
@@ -22,6 +22,17 @@ from .report import check_identical, speedups, summarize
 
 DEFAULT_METHODS = "mlx-lm,ar,dflash,ddtree:auto"
 WARMUP_TOKENS = 8
+
+
+# A method's name -> (the engine mode it runs, whether it takes :BUDGET, lookup tokens per branch)
+METHODS = {
+    "mlx-lm": ("mlx-lm", False, 0),
+    "ar": ("ar", False, 0),
+    "dflash": ("dflash", False, 0),
+    "ddtree": ("ddtree", True, 0),
+    "ddtree+lookup": ("ddtree", True, DEFAULT_LOOKUP),
+    "lookup": ("lookup", True, DEFAULT_LOOKUP),
+}
 
 
 @dataclass(frozen=True)
@@ -40,13 +51,10 @@ def parse_methods(spec: str | list[str]) -> list[Method]:
     for item in (s.strip() for s in items):
         if not item:
             continue
-        mode, _, arg = item.partition(":")
-        if mode in ("mlx-lm", "ar", "dflash") and not arg:
-            out.append(Method(item, mode))
-        elif mode in ("ddtree", "ddtree+lookup", "lookup"):
-            look = DEFAULT_LOOKUP if "lookup" in mode else 0
-            base = "lookup" if mode == "lookup" else "ddtree"
-            out.append(Method(item, base, parse_budget(arg or "16"), look))
+        name, _, arg = item.partition(":")
+        mode, budgeted, look = METHODS.get(name, (None, False, 0))
+        if mode is not None and (budgeted or not arg):
+            out.append(Method(item, mode, parse_budget(arg or "16"), look))
         else:
             raise DFlashError(
                 f"Unknown method '{item}' (use mlx-lm, ar, dflash, ddtree[:BUDGET], "
@@ -82,11 +90,11 @@ def run_engine(
     """Our engine (ar, dflash, ddtree or lookup) on one prompt, from an empty cache, or from
     `session`'s (which then prefills only the part of the prompt it does not hold)."""
     if session is None:
-        session = Session(target, runner if cfg.mode in ("dflash", "ddtree") else None)
-    stats, tokens = Stats(), []
-    for rnd in generate_rounds(session, ids, cfg):
-        stats.add(rnd)
-        tokens += rnd.tokens
+        session = Session(target, runner if cfg.uses_drafter else None)
+    stats, tokens = Stats(), []  # (stats: the last chunk's running totals)
+    for chunk in stream_generate(session, ids, cfg):
+        stats = chunk.stats
+        tokens += chunk.tokens
     return Run(
         tokens,
         stats.prompt_tokens,
@@ -207,13 +215,14 @@ def run_bench(
     `profile`: sync after each phase of a round, so draft / verify / host / Python times are
     the device's (slower: nothing overlaps).
     """
+    asked = {k: v for k, v in locals().items() if k not in ("model", "drafter", "data_dir")}
     meths = parse_methods(methods)
     names = [d.strip() for d in ([datasets] if isinstance(datasets, str) else datasets)]
     names = [n for x in names for n in x.split(",") if n.strip()]
     if not names:
         raise DFlashError("--dataset names no dataset.")
     prompt_sets = {n: load_prompts(n, data_dir, limit) for n in names}
-    needs_drafter = any(m.mode in ("dflash", "ddtree") for m in meths)
+    needs_drafter = any(uses_drafter(m.mode) for m in meths)
     target, runner = load_pair(model, drafter, "dflash" if needs_drafter else "ar")
     tok = target.tokenizer
     if context:
@@ -230,59 +239,58 @@ def run_bench(
         stop_ids=stop_ids(tok),
         profile=profile,
     )
-
     total = sum(len(v) for v in encoded.values()) * len(meths)
     update = progress(total) if progress else None
-    # Warm-up: compile paths, allocate caches, measure the DDTree auto profile, off the clock.
-    # A short prompt does (a long context's prefill would double a long-context run).
-    first = next(iter(encoded.values()))[0][-64:]
-    warm = GenerationConfig(**{**vars(cfg), "max_tokens": min(max_tokens, WARMUP_TOKENS)})
+    _warm_up(meths, target, runner, next(iter(encoded.values()))[0], cfg, update)
+    runs, outputs = _run_all(meths, target, runner, encoded, cfg, bool(context), update)
+    rows = [
+        {"dataset": n, "method": m.label, **summarize(runs[n][m.label])}
+        for n in encoded
+        for m in meths
+    ]
+    if chat_template is None:
+        chat_template = bool(getattr(tok, "chat_template", None))
+    asked.pop("progress")
+    return {
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "model": model or "stories260K (embedded)",
+        "drafter": drafter,
+        "settings": {
+            **asked,
+            "methods": [m.label for m in meths],
+            "datasets": names,
+            "chat_template": chat_template,
+        },  # fmt: skip
+        "environment": _environment(),
+        "baseline": speedups(rows),
+        "results": rows,
+        "identical": check_identical(outputs, greedy=temp <= 0),
+    }
+
+
+def _warm_up(meths, target, runner, ids: list[int], cfg: GenerationConfig, update) -> None:
+    """Compile paths, allocate caches, measure the DDTree auto profile, off the clock. A short
+    prompt does (a long context's prefill would double a long-context run)."""
+    warm = GenerationConfig(**{**vars(cfg), "max_tokens": min(cfg.max_tokens, WARMUP_TOKENS)})
     for m in meths:
         if update:
             update(f"warming up {m.label}", 0)
-        run_method(m, target, runner, first, warm)
+        run_method(m, target, runner, ids[-64:], warm)
+
+
+def _run_all(meths, target, runner, encoded: dict, cfg: GenerationConfig, shared_prefill, update):
+    """Every method on every prompt: (runs by set and method, outputs by set, prompt, method).
+    With `shared_prefill`, our engine's methods share one Session (one prefill) per prompt."""
     runs: dict[str, dict[str, list[Run]]] = {n: {m.label: [] for m in meths} for n in encoded}
     outputs: dict[str, list[dict[str, list[int]]]] = {n: [] for n in encoded}
     for name, prompts in encoded.items():
         for i, ids in enumerate(prompts):
             outputs[name].append({})
-            shared = Session(target, runner) if context else None
+            shared = Session(target, runner) if shared_prefill else None
             for m in meths:
                 run = run_method(m, target, runner, ids, cfg, shared)
                 runs[name][m.label].append(run)
                 outputs[name][i][m.label] = run.tokens
                 if update:
                     update(f"{name} {i + 1}/{len(prompts)} {m.label}", 1)
-
-    rows = [
-        {"dataset": n, "method": m.label, **summarize(runs[n][m.label])}
-        for n in encoded
-        for m in meths
-    ]
-    baseline = speedups(rows)
-    return {
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "model": model or "stories260K (embedded)",
-        "drafter": drafter,
-        "settings": {
-            "methods": [m.label for m in meths],
-            "datasets": names,
-            "limit": limit,
-            "max_tokens": max_tokens,
-            "temp": temp,
-            "top_p": top_p,
-            "top_k": top_k,
-            "seed": seed,
-            "block_size": block_size,
-            "chat_template": bool(getattr(tok, "chat_template", None))
-            if chat_template is None
-            else chat_template,
-            "system": system,
-            "context": context,
-            "profile": profile,
-        },
-        "environment": _environment(),
-        "baseline": baseline,
-        "results": rows,
-        "identical": check_identical(outputs, greedy=temp <= 0),
-    }
+    return runs, outputs

@@ -60,6 +60,7 @@ def bench_command(
     plot: bool = typer.Option(True, "--plot/--no-plot", help="Also write a PNG next to the JSON."),
 ) -> None:
     """Benchmark mlx-lm, AR, DFlash and DDTree side by side; writes JSON and a PNG plot."""
+    settings = {k: v for k, v in locals().items() if k not in ("out", "plot", "dataset")}
     from rich.console import Console
 
     # Logs and pipes get the whole table rather than columns squeezed to 80 characters.
@@ -72,25 +73,14 @@ def bench_command(
             task = bar.add_task("loading", total=total)
             return lambda desc, n: bar.update(task, advance=n, description=desc)
 
-        results = run_bench(
-            model=model,
-            drafter=drafter,
-            methods=methods,
-            datasets=dataset,
-            data_dir=data_dir,
-            limit=limit,
-            max_tokens=max_tokens,
-            temp=temp,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            block_size=block_size,
-            chat_template=chat_template,
-            system=system,
-            context=context,
-            profile=profile,
-            progress=on_start,
-        )
+        results = run_bench(**settings, datasets=dataset, progress=on_start)
+    _write(results, out, plot, console)
+    if results["identical"]["checked"] and not results["identical"]["identical"]:
+        raise typer.Exit(1)
+
+
+def _write(results: dict, out: Path, plot: bool, console) -> None:
+    """The JSON, the PNG beside it, and the table."""
     png = None
     if plot:
         png = write_plot(results, out.with_suffix(".png"))
@@ -103,5 +93,3 @@ def bench_command(
         console.print(f"Wrote {png}")
     elif plot:
         console.print("Plot skipped: matplotlib is not installed (pip install 'mlx-dflash[plot]').")
-    if results["identical"]["checked"] and not results["identical"]["identical"]:
-        raise typer.Exit(1)

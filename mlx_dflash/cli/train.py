@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import typer
 
@@ -54,102 +55,146 @@ def _parse_floats(s: str) -> tuple[float, ...]:
         raise DFlashError(f"Expected comma-separated numbers, not '{s}'.") from None
 
 
+# The command's options, one constant each, so its signature reads one line per option.
+MODEL = typer.Option(
+    None, "--model", "-m", help="Target model folder (default: embedded stories260K)."
+)
+DATA = typer.Option(
+    [], "--data", help="Prompt JSONL file(s) (prompt/question/text field); repeatable."
+)
+OUT = typer.Option(..., "--out", "-o", help="Output folder: checkpoint and data.")
+LAYERS = typer.Option(
+    None,
+    "--layers",
+    min=1,
+    help="Drafter decoder layers (default 2). With --init: grow that drafter to N layers; "
+    "the added ones start as identity, so step 0 drafts as --init does.",
+)
+INTERMEDIATE_SIZE = typer.Option(
+    None,
+    "--intermediate-size",
+    min=1,
+    help="Drafter MLP width (default: the target's). With --init: widen that drafter's "
+    "MLPs; the added units start with zero output weights, so step 0 drafts as --init does.",
+)
+HEADS = typer.Option(None, "--heads", min=1, help="Drafter heads (default: target's).")
+WINDOW = typer.Option(
+    None, "--window", min=1, help="Sliding-window attention over the last N positions."
+)
+TAPS = typer.Option(None, "--taps", help="Tapped target layers, e.g. 1,3.")
+BLOCK_SIZE = typer.Option(
+    None, "--block-size", min=2, help="Draft block (default 16; with --init: its own)."
+)
+MASK_TOKEN_ID = typer.Option(None, "--mask-token-id", help="Default: unk/pad.")
+INIT = typer.Option(None, "--init", help="Start from this drafter checkpoint.")
+STEPS = typer.Option(1000, "--steps", min=1)
+LR = typer.Option(1e-3, "--lr")
+WARMUP = typer.Option(50, "--warmup", min=0)
+BATCH = typer.Option(8, "--batch", min=1, help="Sequences per step.")
+ANCHORS = typer.Option(16, "--anchors", min=1, help="Blocks per sequence.")
+GAMMA = typer.Option(7.0, "--gamma", help="Loss decay over block slots.")
+MAX_LEN = typer.Option(512, "--max-len", help="Truncate sequences to this.")
+CLIP = typer.Option(1.0, "--clip", help="Gradient norm clip.")
+RESUME = typer.Option(False, "--resume", help="Continue from the checkpoint in --out.")
+EVAL_EVERY = typer.Option(200, "--eval-every", min=0, help="0: only at the end.")
+EVAL_PROMPTS = typer.Option(8, "--eval-prompts", min=0, help="Held-out prompts.")
+EVAL_TOKENS = typer.Option(96, "--eval-tokens", min=2)
+SAVE_EVERY = typer.Option(200, "--save-every", min=0)
+CACHE_TAPS = typer.Option(
+    None,
+    "--cache-taps/--no-cache-taps",
+    help="Keep the target's taps (and soft targets) on disk as it answers, and all taps in "
+    "memory while training (default: if they fit in 2 GB).",
+)
+LOSS_VOCAB = typer.Option(
+    "full",
+    "--loss-vocab",
+    help="full, or corpus: softmax over the tokens the answers use plus --negatives "
+    "random others (much faster with a large vocabulary).",
+)
+NEGATIVES = typer.Option(1024, "--negatives", min=0, help="See --loss-vocab.")
+KL_WEIGHT = typer.Option(
+    0.0,
+    "--kl-weight",
+    min=0.0,
+    max=1.0,
+    help="Distillation: weight of the target's own top-k distribution (kept while "
+    "answering with --cache-taps) against the answer token in each slot's loss.",
+)
+PRECONDITION = typer.Option(
+    True, "--precondition/--no-precondition", help="Scale tap features to equal size for fc."
+)
+NUM_PROMPTS = typer.Option(0, "--num-prompts", min=0, help="Use the first N (0: all).")
+STORY_WORDS = typer.Option(
+    6, "--story-words", min=2, help="No --data, no chat template: openings of 2..N words."
+)
+GEN_TEMPS = typer.Option("0,0.7", "--gen-temps", help="Answer temperatures, cycled.")
+GEN_MAX_TOKENS = typer.Option(256, "--gen-max-tokens", min=1)
+GEN_BATCH = typer.Option(32, "--gen-batch", min=1)
+GEN_ONLY = typer.Option(False, "--gen-only", help="Only answer prompts, no training.")
+GEN = typer.Option(
+    True, "--gen/--no-gen", help="--no-gen: train on the answers already in OUT, answer none."
+)
+ANSWERS = typer.Option(
+    [],
+    "--answers",
+    help="Another run's answers (answers.jsonl or .jsonl.gz) to train on too; repeatable.",
+)
+EVAL_SET = typer.Option(
+    [],
+    "--eval-set",
+    help="NAME[:N]: also measure tau on the first N (default 4) prompts of a bench set "
+    "(gsm8k, humaneval, mt-bench, mixed, ... or a .jsonl file) at every evaluation; "
+    "repeatable. The curve goes to OUT/curve.jsonl.",
+)
+DEQUANTIZE = typer.Option(True, "--dequantize/--keep-quantized")
+SEED = typer.Option(0, "--seed")
+
+
 def train_command(
-    model: str = typer.Option(
-        None, "--model", "-m", help="Target model folder (default: embedded stories260K)."
-    ),
-    data: list[Path] = typer.Option(
-        [], "--data", help="Prompt JSONL file(s) (prompt/question/text field); repeatable."
-    ),
-    out: Path = typer.Option(..., "--out", "-o", help="Output folder: checkpoint and data."),
-    layers: int = typer.Option(
-        None,
-        "--layers",
-        min=1,
-        help="Drafter decoder layers (default 2). With --init: grow that drafter to N layers; "
-        "the added ones start as identity, so step 0 drafts as --init does.",
-    ),
-    intermediate_size: int = typer.Option(
-        None,
-        "--intermediate-size",
-        min=1,
-        help="Drafter MLP width (default: the target's). With --init: widen that drafter's "
-        "MLPs; the added units start with zero output weights, so step 0 drafts as --init does.",
-    ),
-    heads: int = typer.Option(None, "--heads", min=1, help="Drafter heads (default: target's)."),
-    window: int = typer.Option(
-        None, "--window", min=1, help="Sliding-window attention over the last N positions."
-    ),
-    taps: str = typer.Option(None, "--taps", help="Tapped target layers, e.g. 1,3."),
-    block_size: int = typer.Option(
-        None, "--block-size", min=2, help="Draft block (default 16; with --init: its own)."
-    ),
-    mask_token_id: int = typer.Option(None, "--mask-token-id", help="Default: unk/pad."),
-    init: Path = typer.Option(None, "--init", help="Start from this drafter checkpoint."),
-    steps: int = typer.Option(1000, "--steps", min=1),
-    lr: float = typer.Option(1e-3, "--lr"),
-    warmup: int = typer.Option(50, "--warmup", min=0),
-    batch: int = typer.Option(8, "--batch", min=1, help="Sequences per step."),
-    anchors: int = typer.Option(16, "--anchors", min=1, help="Blocks per sequence."),
-    gamma: float = typer.Option(7.0, "--gamma", help="Loss decay over block slots."),
-    max_len: int = typer.Option(512, "--max-len", help="Truncate sequences to this."),
-    clip: float = typer.Option(1.0, "--clip", help="Gradient norm clip."),
-    resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in --out."),
-    eval_every: int = typer.Option(200, "--eval-every", min=0, help="0: only at the end."),
-    eval_prompts: int = typer.Option(8, "--eval-prompts", min=0, help="Held-out prompts."),
-    eval_tokens: int = typer.Option(96, "--eval-tokens", min=2),
-    save_every: int = typer.Option(200, "--save-every", min=0),
-    cache_taps: bool = typer.Option(
-        None,
-        "--cache-taps/--no-cache-taps",
-        help="Keep the target's taps (and soft targets) on disk as it answers, and all taps in "
-        "memory while training (default: if they fit in 2 GB).",
-    ),
-    loss_vocab: str = typer.Option(
-        "full",
-        "--loss-vocab",
-        help="full, or corpus: softmax over the tokens the answers use plus --negatives "
-        "random others (much faster with a large vocabulary).",
-    ),
-    negatives: int = typer.Option(1024, "--negatives", min=0, help="See --loss-vocab."),
-    kl_weight: float = typer.Option(
-        0.0,
-        "--kl-weight",
-        min=0.0,
-        max=1.0,
-        help="Distillation: weight of the target's own top-k distribution (kept while "
-        "answering with --cache-taps) against the answer token in each slot's loss.",
-    ),
-    precondition: bool = typer.Option(
-        True, "--precondition/--no-precondition", help="Scale tap features to equal size for fc."
-    ),
-    num_prompts: int = typer.Option(0, "--num-prompts", min=0, help="Use the first N (0: all)."),
-    story_words: int = typer.Option(
-        6, "--story-words", min=2, help="No --data, no chat template: openings of 2..N words."
-    ),
-    gen_temps: str = typer.Option("0,0.7", "--gen-temps", help="Answer temperatures, cycled."),
-    gen_max_tokens: int = typer.Option(256, "--gen-max-tokens", min=1),
-    gen_batch: int = typer.Option(32, "--gen-batch", min=1),
-    gen_only: bool = typer.Option(False, "--gen-only", help="Only answer prompts, no training."),
-    gen: bool = typer.Option(
-        True, "--gen/--no-gen", help="--no-gen: train on the answers already in OUT, answer none."
-    ),
-    answers: list[Path] = typer.Option(
-        [],
-        "--answers",
-        help="Another run's answers (answers.jsonl or .jsonl.gz) to train on too; repeatable.",
-    ),
-    eval_set: list[str] = typer.Option(
-        [],
-        "--eval-set",
-        help="NAME[:N]: also measure tau on the first N (default 4) prompts of a bench set "
-        "(gsm8k, humaneval, mt-bench, mixed, ... or a .jsonl file) at every evaluation; "
-        "repeatable. The curve goes to OUT/curve.jsonl.",
-    ),
-    dequantize: bool = typer.Option(True, "--dequantize/--keep-quantized"),
-    seed: int = typer.Option(0, "--seed"),
+    model: str = MODEL,
+    data: list[Path] = DATA,
+    out: Path = OUT,
+    layers: int = LAYERS,
+    intermediate_size: int = INTERMEDIATE_SIZE,
+    heads: int = HEADS,
+    window: int = WINDOW,
+    taps: str = TAPS,
+    block_size: int = BLOCK_SIZE,
+    mask_token_id: int = MASK_TOKEN_ID,
+    init: Path = INIT,
+    steps: int = STEPS,
+    lr: float = LR,
+    warmup: int = WARMUP,
+    batch: int = BATCH,
+    anchors: int = ANCHORS,
+    gamma: float = GAMMA,
+    max_len: int = MAX_LEN,
+    clip: float = CLIP,
+    resume: bool = RESUME,
+    eval_every: int = EVAL_EVERY,
+    eval_prompts: int = EVAL_PROMPTS,
+    eval_tokens: int = EVAL_TOKENS,
+    save_every: int = SAVE_EVERY,
+    cache_taps: bool = CACHE_TAPS,
+    loss_vocab: str = LOSS_VOCAB,
+    negatives: int = NEGATIVES,
+    kl_weight: float = KL_WEIGHT,
+    precondition: bool = PRECONDITION,
+    num_prompts: int = NUM_PROMPTS,
+    story_words: int = STORY_WORDS,
+    gen_temps: str = GEN_TEMPS,
+    gen_max_tokens: int = GEN_MAX_TOKENS,
+    gen_batch: int = GEN_BATCH,
+    gen_only: bool = GEN_ONLY,
+    gen: bool = GEN,
+    answers: list[Path] = ANSWERS,
+    eval_set: list[str] = EVAL_SET,
+    dequantize: bool = DEQUANTIZE,
+    seed: int = SEED,
 ) -> None:
     """Train a DFlash drafter for a target on prompts answered by the target itself."""
+    a = SimpleNamespace(**locals())  # what the command was told, for the steps below
     target = load_training_target(model, dequantize)
     prompts = prepare_prompts(target, data, out, num_prompts, seed, story_words)
     if eval_prompts >= len(prompts):
@@ -161,83 +206,21 @@ def train_command(
             raise DFlashError(f"--answers {path}: no such file.")
     sets = {name: [encode(target.tokenizer, p) for p in ps] for name, ps in _eval_sets(eval_set)}
     # The drafter comes first: its tapped layers are what answering keeps for training.
-    opt_state, step, fresh, seen = None, 0, False, 0
-    if resume and (out / "model.safetensors").exists():
-        drafter, opt_state, step = load_checkpoint(out, target.num_layers)
-        seen = saved_seen_tokens(out)
-    elif init is not None:
-        for flag, value in [("--taps", taps), ("--heads", heads), ("--window", window),
-                            ("--mask-token-id", mask_token_id)]:  # fmt: skip
-            if value is not None:
-                raise DFlashError(f"{flag} shapes a new drafter; --init {init} keeps its own.")
-        drafter = load_drafter(init, num_target_layers=target.num_layers)
-        c = drafter.cfg
-        old = (c.num_hidden_layers, c.block_size, c.intermediate_size)
-        new = (layers or old[0], block_size or old[1], intermediate_size or old[2])
-        if new != old:
-            drafter = reshape_drafter(drafter, new[0], new[1], seed, intermediate_size=new[2])
-    else:
-        dcfg = new_drafter_config(
-            target, layers or 2, _parse_ints(taps), block_size or 16, mask_token_id, heads, window,
-            intermediate_size,
-        )  # fmt: skip
-        drafter = init_drafter(dcfg, seed=seed)
-        fresh = True
+    drafter, opt_state, step, fresh, seen = _starting_drafter(target, a)
     check_pair(drafter.cfg, target.config)
-    tap_bytes = drafter.cfg.num_taps * target.hidden_size * 2  # per token, float16
-
-    def taps_fit(n_tokens: int) -> bool:  # the default of --cache-taps: all of it under 2 GB
-        return n_tokens * tap_bytes < 2**31
-
-    shard = out / "answers.jsonl"
-    if gen:
-        temps = _parse_floats(gen_temps)
-        keep = cache_taps
-        if keep is None:
-            keep = taps_fit(len(train_prompts) * (gen_max_tokens + 128))
-        tap_ids = drafter.cfg.target_layer_ids if keep else None
-        answer(target, train_prompts, shard, temps, gen_max_tokens, gen_batch, seed, tap_ids)
-    elif not shard.exists():
-        raise DFlashError(f"--no-gen needs answers in {shard}; run without it first.")
+    shard = _answer_prompts(target, drafter, train_prompts, a)
     if gen_only:
         typer.echo(f"Answers in {shard}")
         return
-    cfg = TrainConfig(
-        steps=steps,
-        lr=lr,
-        warmup=warmup,
-        batch=batch,
-        anchors=anchors,
-        gamma=gamma,
-        max_len=max_len,
-        clip=clip,
-        seed=seed,
-        eval_every=eval_every,
-        eval_tokens=eval_tokens,
-        save_every=save_every,
-        loss_vocab=loss_vocab,
-        negatives=negatives,
-        precondition=precondition,
-        kl_weight=kl_weight,
-    )
     records = load_records([shard, *answers], own=shard)
+    cfg = _train_config(a)
     if cache_taps is None:
         n_tok = sum(min(len(r["tokens"]), max_len) for r in records)
-        cache_taps = taps_fit(n_tok)
+        cache_taps = _taps_fit(drafter, target, n_tok)
     cfg.cache_taps = cache_taps
-    trainer = Trainer(
-        target,
-        drafter,
-        records,
-        cfg,
-        out=out,
-        eval_prompts=[encode(target.tokenizer, p) for p in held_out],
-        step=step,
-        opt_state=opt_state,
-        fresh=fresh,
-        eval_sets=sets,
-        seen_tokens=seen,
-    )
+    held = [encode(target.tokenizer, p) for p in held_out]
+    trainer = Trainer(target, drafter, records, cfg, out=out, eval_prompts=held, step=step,
+                      opt_state=opt_state, fresh=fresh, eval_sets=sets, seen_tokens=seen)  # fmt: skip
     t0 = time.perf_counter()
     trainer.run()
     ev = trainer.evaluate()
@@ -247,3 +230,57 @@ def train_command(
             f"over {len(held_out)} held-out prompts"
         )
     typer.echo(f"Trained {trainer.step} steps in {time.perf_counter() - t0:.0f}s; wrote {out}")
+
+
+def _answer_prompts(target, drafter, prompts: list[str], a: SimpleNamespace) -> Path:
+    """The target's answers to `prompts` in OUT/answers.jsonl (with --no-gen: already there)."""
+    shard = a.out / "answers.jsonl"
+    if not a.gen:
+        if not shard.exists():
+            raise DFlashError(f"--no-gen needs answers in {shard}; run without it first.")
+        return shard
+    keep = a.cache_taps
+    if keep is None:
+        keep = _taps_fit(drafter, target, len(prompts) * (a.gen_max_tokens + 128))
+    tap_ids = drafter.cfg.target_layer_ids if keep else None
+    temps = _parse_floats(a.gen_temps)
+    answer(target, prompts, shard, temps, a.gen_max_tokens, a.gen_batch, a.seed, tap_ids)
+    return shard
+
+
+def _taps_fit(drafter, target, n_tokens: int) -> bool:
+    """The default of --cache-taps: all taps of n_tokens in float16 under 2 GB."""
+    return n_tokens * drafter.cfg.num_taps * target.hidden_size * 2 < 2**31
+
+
+def _starting_drafter(target, a: SimpleNamespace):
+    """(drafter, optimizer state, step, fresh, tokens seen): resumed from --out, grown from
+    --init, or new."""
+    out = a.out
+    if a.resume and (out / "model.safetensors").exists():
+        drafter, opt_state, step = load_checkpoint(out, target.num_layers)
+        return drafter, opt_state, step, False, saved_seen_tokens(out)
+    if a.init is not None:
+        for flag, value in [("--taps", a.taps), ("--heads", a.heads), ("--window", a.window),
+                            ("--mask-token-id", a.mask_token_id)]:  # fmt: skip
+            if value is not None:
+                raise DFlashError(f"{flag} shapes a new drafter; --init {a.init} keeps its own.")
+        drafter = load_drafter(a.init, num_target_layers=target.num_layers)
+        c = drafter.cfg
+        old = (c.num_hidden_layers, c.block_size, c.intermediate_size)
+        new = (a.layers or old[0], a.block_size or old[1], a.intermediate_size or old[2])
+        if new != old:
+            drafter = reshape_drafter(drafter, new[0], new[1], a.seed, intermediate_size=new[2])
+        return drafter, None, 0, False, 0
+    dcfg = new_drafter_config(
+        target, a.layers or 2, _parse_ints(a.taps), a.block_size or 16, a.mask_token_id, a.heads,
+        a.window, a.intermediate_size,
+    )  # fmt: skip
+    return init_drafter(dcfg, seed=a.seed), None, 0, True, 0
+
+
+def _train_config(a: SimpleNamespace) -> TrainConfig:
+    names = ("steps", "lr", "warmup", "batch", "anchors", "gamma", "max_len", "clip", "seed",
+             "eval_every", "eval_tokens", "save_every", "loss_vocab", "negatives",
+             "precondition", "kl_weight")  # fmt: skip
+    return TrainConfig(**{n: getattr(a, n) for n in names})

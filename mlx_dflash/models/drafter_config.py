@@ -26,6 +26,47 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]
     return [int(round(1 + i * span / (num_taps - 1))) for i in range(num_taps)]
 
 
+def _tapped_layers(cfg: dict, dcfg: dict, n_target, n_layers: int) -> list[int]:
+    """The target layers the drafter reads: listed, or derived as z-lab does from the target's
+    depth and the number of taps."""
+    taps = dcfg.get("target_layer_ids", cfg.get("target_layer_ids"))
+    if taps is None:
+        if n_target is None:
+            raise DFlashError(
+                "The drafter config lists no target_layer_ids and no num_target_layers, "
+                "so its tapped layers cannot be derived; pass the target."
+            )
+        n_taps = int(dcfg.get("num_taps", cfg.get("num_taps", n_layers)))
+        taps = default_target_layer_ids(int(n_target), n_taps)
+    return [int(t) for t in taps]
+
+
+def _rope(cfg: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either the flat fields or `rope_parameters`."""
+    rope_params = cfg.get("rope_parameters") or {}
+    rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+    rope_scaling = cfg.get("rope_scaling")
+    if rope_scaling is None and rope_params.get("rope_type", "default") not in ("default", None):
+        rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+    return float(rope_theta), rope_scaling
+
+
+def _layer_types(cfg: dict, n_layers: int) -> tuple[list[str], int | None]:
+    """(each layer's attention kind, the sliding window), checked."""
+    layer_types = cfg.get("layer_types") or ["full_attention"] * n_layers
+    if len(layer_types) != n_layers:
+        raise DFlashError(
+            f"The drafter config lists {len(layer_types)} layer_types for {n_layers} layers."
+        )
+    for t in layer_types:
+        if t not in ("full_attention", "sliding_attention"):
+            raise DFlashError(f"Unknown drafter layer type '{t}'.")
+    sliding_window = cfg.get("sliding_window")
+    if "sliding_attention" in layer_types and not sliding_window:
+        raise DFlashError("The drafter has sliding-attention layers but no sliding_window.")
+    return list(layer_types), None if sliding_window is None else int(sliding_window)
+
+
 @dataclass
 class DrafterConfig:
     hidden_size: int
@@ -87,16 +128,7 @@ class DrafterConfig:
         n_target = (
             num_target_layers or cfg.get("num_target_layers") or dcfg.get("num_target_layers")
         )
-        taps = dcfg.get("target_layer_ids", cfg.get("target_layer_ids"))
-        if taps is None:
-            if n_target is None:
-                raise DFlashError(
-                    "The drafter config lists no target_layer_ids and no num_target_layers, "
-                    "so its tapped layers cannot be derived; pass the target."
-                )
-            n_taps = int(dcfg.get("num_taps", cfg.get("num_taps", n_layers)))
-            taps = default_target_layer_ids(int(n_target), n_taps)
-        taps = [int(t) for t in taps]
+        taps = _tapped_layers(cfg, dcfg, n_target, n_layers)
 
         mask_token_id = dcfg.get("mask_token_id", cfg.get("mask_token_id"))
         if mask_token_id is None:
@@ -104,26 +136,8 @@ class DrafterConfig:
                 "The drafter config has no mask_token_id (dflash_config.mask_token_id)."
             )
 
-        rope_params = cfg.get("rope_parameters") or {}
-        rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-        rope_scaling = cfg.get("rope_scaling")
-        if rope_scaling is None and rope_params.get("rope_type", "default") not in (
-            "default",
-            None,
-        ):
-            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
-
-        layer_types = cfg.get("layer_types") or ["full_attention"] * n_layers
-        if len(layer_types) != n_layers:
-            raise DFlashError(
-                f"The drafter config lists {len(layer_types)} layer_types for {n_layers} layers."
-            )
-        for t in layer_types:
-            if t not in ("full_attention", "sliding_attention"):
-                raise DFlashError(f"Unknown drafter layer type '{t}'.")
-        sliding_window = cfg.get("sliding_window")
-        if "sliding_attention" in layer_types and not sliding_window:
-            raise DFlashError("The drafter has sliding-attention layers but no sliding_window.")
+        rope_theta, rope_scaling = _rope(cfg)
+        layer_types, sliding_window = _layer_types(cfg, n_layers)
 
         def opt_float(key: str) -> float | None:
             v = dcfg.get(key, cfg.get(key))
@@ -144,10 +158,10 @@ class DrafterConfig:
             mask_token_id=int(mask_token_id),
             target_layer_ids=taps,
             num_target_layers=None if n_target is None else int(n_target),
-            rope_theta=float(rope_theta),
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            layer_types=list(layer_types),
-            sliding_window=None if sliding_window is None else int(sliding_window),
+            layer_types=layer_types,
+            sliding_window=sliding_window,
             is_causal=None if is_causal is None else bool(is_causal),
             input_embedding_scale=opt_float("input_embedding_scale"),
             output_multiplier=opt_float("output_multiplier"),
