@@ -169,20 +169,20 @@ class DrafterConfig:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """The normalised config.json: z-lab's layout, every resolved field explicit."""
+        """The normalised config.json: z-lab's layout, every resolved field explicit. Optional
+        transforms that are off are left out, as z-lab's published configs do: its reference
+        loader reads an explicit null as a number (`float(None)`) and fails."""
         d = asdict(self)
-        dflash = {
-            k: d.pop(k)
-            for k in (
-                "block_size",
-                "mask_token_id",
-                "target_layer_ids",
-                "is_causal",
-                "input_embedding_scale",
-                "output_multiplier",
-                "final_logit_softcapping",
-            )
-        }
+        dflash = {k: d.pop(k) for k in ("block_size", "mask_token_id", "target_layer_ids")}
+        for k in (
+            "is_causal",
+            "input_embedding_scale",
+            "output_multiplier",
+            "final_logit_softcapping",
+        ):
+            v = d.pop(k)
+            if v is not None:
+                dflash[k] = v
         out = {"architectures": [DRAFTER_ARCHITECTURE], "model_type": "qwen3", **d}
         out["block_size"] = dflash["block_size"]
         out["dflash_config"] = dflash
