@@ -8,7 +8,7 @@ two-layer drafter is trained on the target's greedy answers only until greedy DF
 about 5 tokens per round (16-token blocks) on held-out prompts, then saved.
 
     python scripts/overhead_case.py build models/overhead-case      # ~3 minutes on 2 cores
-    python scripts/overhead_case.py measure models/overhead-case    # interleaved with mlx-lm
+    python scripts/overhead_case.py measure models/overhead-case [REPS]  # against mlx-lm, z-lab
     dflash-mlx bench -m models/overhead-case/target -d models/overhead-case/drafter \\
         --dataset models/overhead-case/prompts.jsonl --no-chat-template -n 64 --profile
 
@@ -29,8 +29,6 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 
 WORDS, WORD_LEN, VOCAB, FIRST = 48, 5, 256, 3
 TAU = 5.0  # the planted acceptance: tokens per round
@@ -48,7 +46,7 @@ def sentences(words: np.ndarray, n: int, n_words: int, rng) -> np.ndarray:
 
 
 def train_target(folder: Path, words: np.ndarray, steps: int = 200, seed: int = 0) -> None:
-    from factories import write_tiny_target
+    from mlx_dflash.models.tiny import write_tiny_target
     from mlx_lm.utils import load_model, save_model
 
     write_tiny_target(
@@ -128,9 +126,38 @@ def build(out: Path) -> None:
     print(f"wrote {out}/target, {out}/drafter and {out}/prompts.jsonl")
 
 
+def zlab_loop(case: Path):
+    """z-lab's own MLX loop (PyPI `dflash` 0.1.0, MIT: `pip install --no-deps dflash==0.1.0`) on
+    the same target and drafter, as a function (prompt ids, max_tokens) -> tokens; None when
+    that package is absent. It gets its own copy of the target: it wraps the target's tapped
+    layers in place to capture their outputs."""
+    try:
+        from dflash import model_mlx as zlab
+    except ImportError:
+        return None
+    from unittest import mock
+
+    from mlx_lm import load
+
+    model, tokenizer = load(str(case / "target"))
+    # Its load_draft sends any argument to the hub; a local folder is handed to it directly.
+    with mock.patch.object(zlab, "snapshot_download", lambda folder, **_: folder):
+        draft = zlab.load_draft(str(case / "drafter"))
+
+    def run(ids: list[int], max_tokens: int) -> list[int]:
+        out: list[int] = []
+        for r in zlab.stream_generate(model, draft, tokenizer, ids, max_tokens=max_tokens):
+            out += r.tokens
+        return out
+
+    return run
+
+
 def measure(case: Path, max_tokens: int = 64, reps: int = 5, modes=("dflash", "ddtree")) -> None:
-    """Plain mlx-lm and our engine, interleaved prompt by prompt in one process: the time of
-    each (prefill + decoding of `max_tokens`) and the ratio, with tau."""
+    """Plain mlx-lm, our engine and z-lab's loop (when installed), interleaved prompt by prompt
+    in one process: the time of each generation (prefill + decoding of `max_tokens`), its
+    median and mean against mlx-lm's, and tau. (z-lab's loop detokenizes as it goes, which
+    mlx-lm's generate_step and our rounds do not: a few microseconds a round.)"""
     import time
 
     from mlx_dflash import GenerationConfig, Session, generate_rounds, load_pair
@@ -139,44 +166,55 @@ def measure(case: Path, max_tokens: int = 64, reps: int = 5, modes=("dflash", "d
     target, drafter = load_pair(str(case / "target"), str(case / "drafter"))
     prompts = [json.loads(line)["token_ids"] for line in (case / "prompts.jsonl").open()]
     cfg = {m: GenerationConfig(max_tokens=max_tokens, mode=m, budget="auto") for m in modes}
-    times = {m: [] for m in ("mlx-lm", *modes)}
-    taus = {m: [] for m in modes}
+    zlab = zlab_loop(case)
+    methods = ["mlx-lm", *modes] + (["z-lab"] if zlab else [])
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    taus: dict[str, list[float]] = {m: [] for m in modes}
 
-    def ours(ids, c):
-        out = []
+    def run(method, ids):
         t0 = time.perf_counter()
-        for rnd in generate_rounds(Session(target, drafter), ids, c):
-            out += rnd.tokens
-            if rnd.accepted and not rnd.prefill:
-                taus[c.mode].append(rnd.accepted)
+        if method == "mlx-lm":
+            out = run_mlx_lm(target, ids, cfg[modes[0]]).tokens
+        elif method == "z-lab":
+            out = zlab(ids, max_tokens)
+        else:  # rounds, not text: mlx-lm's generate_step does not detokenize either
+            out = []
+            for rnd in generate_rounds(Session(target, drafter), ids, cfg[method]):
+                out += rnd.tokens
+                if rnd.accepted and not rnd.prefill:
+                    taus[method].append(rnd.accepted)
         return out, time.perf_counter() - t0
 
     for _ in range(2):  # warm-up
-        run_mlx_lm(target, prompts[0], cfg[modes[0]])
-        for m in modes:
-            ours(prompts[0], cfg[m])
+        for m in methods:
+            run(m, prompts[0])
+    for m in modes:
+        taus[m].clear()
     for _ in range(reps):
         for ids in prompts:
-            t0 = time.perf_counter()
-            ref = run_mlx_lm(target, ids, cfg[modes[0]]).tokens
-            times["mlx-lm"].append(time.perf_counter() - t0)
-            for m in modes:
-                out, dt = ours(ids, cfg[m])
+            ref = None
+            for m in methods:
+                out, dt = run(m, ids)
+                ref = out if ref is None else ref
                 assert out == ref, f"{m} differs from mlx-lm"
                 times[m].append(dt)
-    base = sum(times["mlx-lm"])
+    base_med, base_mean = np.median(times["mlx-lm"]), np.mean(times["mlx-lm"])
     n = len(times["mlx-lm"])
-    print(f"{n} generations of {max_tokens} tokens, interleaved; outputs identical")
-    print(f"mlx-lm: {1000 * base / n:.1f} ms per generation")
-    for m in modes:
-        t = sum(times[m])
+    print(f"{n} generations of {max_tokens} tokens each, interleaved; outputs identical")
+    print(f"mlx-lm: median {1000 * base_med:.1f} ms, mean {1000 * base_mean:.1f} ms")
+    for m in methods[1:]:
+        med, mean = np.median(times[m]), np.mean(times[m])
+        tau = f", tau {np.mean(taus[m]):.2f}" if m in taus else ""
         print(
-            f"{m}: {1000 * t / n:.1f} ms, {t / base:.3f} of mlx-lm's time, "
-            f"tau {np.mean(taus[m]):.2f} over {len(taus[m])} rounds"
+            f"{m}: median {1000 * med:.1f} ms = {med / base_med:.3f} of mlx-lm's, "
+            f"mean {1000 * mean:.1f} ms = {mean / base_mean:.3f}{tau}"
         )
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] not in ("build", "measure"):
+    if len(sys.argv) not in (3, 4) or sys.argv[1] not in ("build", "measure"):
         sys.exit(__doc__)
-    {"build": build, "measure": measure}[sys.argv[1]](Path(sys.argv[2]))
+    if sys.argv[1] == "build":
+        build(Path(sys.argv[2]))
+    else:
+        measure(Path(sys.argv[2]), reps=int(sys.argv[3]) if len(sys.argv) == 4 else 5)
