@@ -29,6 +29,7 @@ from .text import prompt_opens_thinking, thinking_tags
 from .worker import Done, Job, Worker, job_config
 
 MAX_BODY = 16 * 2**20
+SOCKET_TIMEOUT_S = 30.0
 POLL_S = 0.1
 
 
@@ -125,6 +126,9 @@ class App:
 class Handler(BaseHTTPRequestHandler):
     server_version = "dflash-mlx"
     app: App  # set on the subclass made by make_server
+    # Seconds a socket read or write may stall: a client that announces more body than it sends
+    # (or stops reading) is dropped instead of holding a handler thread forever.
+    timeout = SOCKET_TIMEOUT_S
 
     def log_message(self, fmt, *args):  # quiet by default; `serve --verbose` turns it on
         if getattr(self.server, "verbose", False):
@@ -157,10 +161,21 @@ class Handler(BaseHTTPRequestHandler):
         try:
             n = int(self.headers.get("Content-Length") or 0)
         except ValueError:
-            raise P.APIError(400, "Bad Content-Length header.") from None
+            n = -1
+        if n < 0:
+            raise P.APIError(400, "Bad Content-Length header.")
         if n > MAX_BODY:
             raise P.APIError(413, f"The request body is over {MAX_BODY // 2**20} MB.")
-        return P.parse_json(self.rfile.read(n) if n else b"")
+        try:
+            raw = self.rfile.read(n) if n else b""
+        except TimeoutError:  # the socket's timeout (Handler.timeout): a body that never came
+            raw = b""
+        if len(raw) < n:
+            self.close_connection = True
+            raise P.APIError(
+                400, f"The request body is shorter than its Content-Length ({n} bytes)."
+            )
+        return P.parse_json(raw)
 
     def _client_gone(self) -> bool:
         try:
@@ -412,6 +427,9 @@ class Handler(BaseHTTPRequestHandler):
 class Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # The listening backlog: the standard library's 5 reset connections under bursts of
+    # concurrent clients (an agent's parallel tool calls, a load test) before accept() ran.
+    request_queue_size = 128
 
 
 def make_server(app: App, host: str = "127.0.0.1", port: int = 8080, verbose: bool = False):

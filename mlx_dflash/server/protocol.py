@@ -13,6 +13,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+MAX_STOPS = 256  # stop strings a request may list (each is searched for in every chunk)
+
 
 class APIError(Exception):
     def __init__(
@@ -66,8 +68,17 @@ class Request:
 
 
 def parse_json(raw: bytes) -> dict:
+    """The request object; every string in it is valid Unicode (JSON's \\ud800 escapes can
+    carry a lone surrogate, which no tokenizer can encode) and nesting is bounded."""
     try:
         body = json.loads(raw or b"")
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except RecursionError:
+        raise APIError(400, "The request body nests too deeply.") from None
+    except UnicodeEncodeError:
+        raise APIError(
+            400, "The request body holds a string that is not valid Unicode (a lone surrogate)."
+        ) from None
     except (ValueError, UnicodeDecodeError):
         raise APIError(400, "The request body is not valid JSON.") from None
     if not isinstance(body, dict):
@@ -116,10 +127,12 @@ def _messages(body: dict) -> list[dict[str, str]]:
     out = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise APIError(400, f"messages[{i}] must be an object with a 'role'.", "messages")
+            raise APIError(400, f"messages[{i}] must be an object with a 'role'.", param="messages")
         role = "system" if m["role"] == "developer" else m["role"]
         if role not in ("system", "user", "assistant", "tool"):
-            raise APIError(400, f"messages[{i}] has an unknown role '{m['role']}'.", "messages")
+            raise APIError(
+                400, f"messages[{i}] has an unknown role '{m['role']}'.", param="messages"
+            )
         out.append({"role": role, "content": _text(m.get("content"), f"messages[{i}]")})
     return out
 
@@ -158,8 +171,10 @@ def parse_request(kind: str, body: dict) -> Request:
     if stop is not None and (
         not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)
     ):
-        raise APIError(400, "'stop' must be a string or a list of non-empty strings.", "stop")
-    req.stop = list(stop or [])[:16]
+        raise APIError(400, "'stop' must be a string or a list of non-empty strings.", param="stop")
+    if stop is not None and len(stop) > MAX_STOPS:
+        raise APIError(400, f"'stop' lists {len(stop)} strings; at most {MAX_STOPS}.", param="stop")
+    req.stop = list(stop or [])
     req.stream = bool(_get(body, "stream", (bool,), False, what="true or false"))
     opts = _get(body, "stream_options", (dict,), {}, what="an object")
     req.include_usage = bool(opts.get("include_usage", False))
