@@ -339,7 +339,8 @@ def pipeline(target, world: World) -> None:
     world.beat()
 
 
-if TYPE_CHECKING:  # mypy checks these against the engine's protocols (engine/contract.py)
+# mypy checks these against the engine's protocols (engine/contract.py)
+if TYPE_CHECKING:
     from .engine import contract
 
     _conforms_nothere: type[contract.Cache] = NotHere

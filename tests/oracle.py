@@ -76,7 +76,8 @@ def diversify(model, gain: float = 3.0, seed: int = 0) -> None:
     mx.eval(model.parameters())
 
 
-if TYPE_CHECKING:  # mypy checks OracleDrafter against the engine's Drafter protocol
+# mypy checks OracleDrafter against the engine's Drafter protocol
+if TYPE_CHECKING:
     from mlx_dflash.engine.contract import Drafter
 
     _conforms_oracle: type[Drafter] = OracleDrafter

@@ -186,7 +186,7 @@ def chat_command(
     cfg = dataclasses.replace(cfg, stop_ids=stop_ids(target.tokenizer))
     chat = Conversation(target, runner, cfg, system, chat_template, thinking)
     io = SharedIO(RichIO() if sys.stdin.isatty() and sys.stdout.isatty() else PlainIO(), world)
-    if isinstance(getattr(io, "io", io), RichIO):
+    if isinstance(io.io, RichIO):
         io.notice(f"dflash-mlx chat ({mode}) - /help for commands, /exit to quit")
     if not chat.templated:
         io.notice("This model has no chat template: turns are joined as plain text.")

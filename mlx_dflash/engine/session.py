@@ -126,8 +126,8 @@ class Session:
         Linear (path None): the forward ran a block whose first len(kept) tokens are kept, so
         every cache drops the rest. Tree: `path` are the kept nodes' indices in the verified
         tree (root first), and every cache compacts them into place. The drafter gets the kept
-        positions' taps; `fed=False` when the forward made none (a plain step with no drafter
-        to feed), so that the drafter lags and `rewind` knows it.
+        positions' taps; without taps (a plain step that fed no drafter) it lags the target,
+        which `rewind` allows for.
         """
         start = len(self.tokens)
         if path is None:

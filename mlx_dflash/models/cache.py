@@ -74,7 +74,8 @@ class KVCache:
         return [] if self.keys is None or self.values is None else [self.keys, self.values]
 
 
-if TYPE_CHECKING:  # mypy checks KVCache against the engine's Cache protocol (engine/contract.py)
+# mypy checks KVCache against the engine's Cache protocol (engine/contract.py)
+if TYPE_CHECKING:
     from ..engine.contract import Cache
 
     _conforms_kvcache: type[Cache] = KVCache

@@ -324,9 +324,8 @@ def reshape_drafter(
     return grown
 
 
-if (
-    TYPE_CHECKING
-):  # mypy checks DrafterRunner against the engine's Drafter protocol (engine/contract.py)
+# mypy checks DrafterRunner against the engine's Drafter protocol (engine/contract.py)
+if TYPE_CHECKING:
     from ..engine.contract import Drafter
 
     _conforms_drafterrunner: type[Drafter] = DrafterRunner

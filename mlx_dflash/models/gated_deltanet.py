@@ -217,9 +217,8 @@ def _reduced(layer, out: mx.array) -> mx.array:
     return out if group is None else mx.distributed.all_sum(out, group=group)
 
 
-if (
-    TYPE_CHECKING
-):  # mypy checks RecurrentCache against the engine's Cache protocol (engine/contract.py)
+# mypy checks RecurrentCache against the engine's Cache protocol (engine/contract.py)
+if TYPE_CHECKING:
     from ..engine.contract import Cache
 
     _conforms_recurrentcache: type[Cache] = RecurrentCache

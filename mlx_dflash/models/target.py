@@ -258,9 +258,8 @@ def text_eos(config: dict):
     return eos if eos is not None else text_config(config).get("eos_token_id")
 
 
-if (
-    TYPE_CHECKING
-):  # mypy checks Target against the engine's TargetModel protocol (engine/contract.py)
+# mypy checks Target against the engine's TargetModel protocol (engine/contract.py)
+if TYPE_CHECKING:
     from ..engine.contract import TargetModel
 
     _conforms_target: type[TargetModel] = Target

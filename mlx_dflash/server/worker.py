@@ -119,7 +119,8 @@ class Worker:
             job = self.jobs.get()
         while job is not None and job.cancelled.is_set():
             job = self.jobs.get()
-        self._send(job)
+        if self.world.sharded:  # the spec's JSON is for followers; one process has none
+            self._send(job)
         return job
 
     def _loop(self) -> None:
