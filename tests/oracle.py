@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, cast
 import mlx.core as mx
 import numpy as np
 
+from mlx_dflash.engine.contract import Proposal
+
 
 class OracleDrafter:
     """Proposes truth[start + k] at slot k; with probability `corrupt` a wrong token wins.
@@ -35,7 +37,7 @@ class OracleDrafter:
     def add_context(self, taps: mx.array) -> None:
         self.context_len += taps.shape[0]
 
-    def propose(self, last_token: int, start: int, n: int) -> mx.array:
+    def propose(self, last_token: int, start: int, n: int) -> Proposal:
         assert start == self.context_len, "engine fed the drafter out of sync"
         # Each slot's draws depend only on (seed, round start, position), not on how many
         # slots the engine asks for: a DDTree that drafts only as deep as its budget sees
@@ -52,7 +54,7 @@ class OracleDrafter:
             # Two clear candidates over a flat rest: p(top) ~ 0.88, p(second) ~ 0.12 at margin 2.
             logits[k, top] += 12.0
             logits[k, second] += 12.0 - self.margin
-        return mx.array(logits)
+        return Proposal(mx.array(logits))
 
 
 def diversify(model, gain: float = 3.0, seed: int = 0) -> None:

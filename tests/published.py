@@ -568,3 +568,114 @@ def write_published_drafter(path: str | Path, target_id: str, seed: int = 1) -> 
 
     cfg = shrink_drafter(drafter_config(target_id), shrink(TARGETS[target_id]))
     return write_drafter_checkpoint(path, cfg, seed=seed)
+
+
+# --------------------------------------------------------------------------------------------
+# DFlash 2 drafters: the verbatim published configs in ../shared/data/configs (see SOURCES.md)
+
+DFLASH2_DRAFTERS = {
+    # drafter -> the registry target whose shrunk fixture it drafts for in tests. Qwen3.8-27B is
+    # Qwen3.5-27B's layout (64 layers, hidden 5120) plus a gate type of its own (issue 29 item 5);
+    # Muse-Glimmer's drafter goes with a dense target of the same kind until muse_glimmer lands.
+    "z-lab/Qwen3.8-27B-DFlash2": "Qwen/Qwen3.5-27B",
+    "z-lab/Muse-Glimmer-30B-DFlash2": "Qwen/Qwen3-8B",
+}
+DFLASH2_WINDOW = 12  # the shrunk sliding_window (2048 published): tests run past it
+
+
+def shared_configs() -> Path:
+    import os
+
+    root = Path(os.environ.get("DFLASH_SHARED", Path(__file__).parents[1] / ".." / "shared"))
+    return root.resolve() / "data" / "configs"
+
+
+def published_file(name: str) -> dict[str, Any]:
+    """A verbatim published config (or header) by file name; skips the test where absent."""
+    path = shared_configs() / name
+    if not path.exists():
+        import pytest
+
+        pytest.skip(f"needs {path} (the project's shared/ material), which is absent")
+    return json.loads(path.read_text())
+
+
+def dflash2_config(drafter_id: str) -> dict[str, Any]:
+    return published_file(drafter_id.replace("/", "__") + ".config.json")
+
+
+def shrink_dflash2(cfg: dict[str, Any], target: dict[str, Any], layers: int = 2) -> dict[str, Any]:
+    """A published DFlash 2 config with tiny sizes for a shrunk target: every field and its
+    nesting stays (top-level is_causal, rope_parameters only, bos_token_id null)."""
+    t = text_of(target)
+    out = copy.deepcopy(cfg)
+    n_target = t["num_hidden_layers"]
+    out.update(
+        hidden_size=t["hidden_size"],
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,  # attention width 96 != hidden 64, as published (4096 vs 5120 / 6656)
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_window_layers=layers,
+        layer_types=["sliding_attention"] * layers,
+        sliding_window=DFLASH2_WINDOW,
+        num_target_layers=n_target,
+        bos_token_id=_shrink_ids("bos_token_id", out.get("bos_token_id")),
+        eos_token_id=_shrink_ids("eos_token_id", out.get("eos_token_id")),
+        pad_token_id=_shrink_ids("pad_token_id", out.get("pad_token_id")),
+    )
+    d = out["dflash_config"]
+    d.update(
+        mask_token_id=VOCAB - 1,
+        target_layer_ids=_published_taps(n_target, len(d["target_layer_ids"])),
+        selector_rank=16,
+    )
+    return out
+
+
+def dflash2_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a DFlash 2 drafter under its published name (the Muse header's 81 at
+    full size), shaped from the config alone."""
+    from mlx_dflash.models.tiny import drafter_tensor_shapes
+
+    d = cfg["dflash_config"]
+    hidden, k, g = cfg["hidden_size"], d["conv_kernel_size"], d["conv_group_size"]
+    shapes = drafter_tensor_shapes(cfg)
+    for i in range(cfg["num_hidden_layers"]):
+        for conv in ("attention_conv", "mlp_conv"):
+            shapes[f"layers.{i}.{conv}.base_kernel"] = (2, k, hidden)
+            shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * k * hidden // g, hidden)
+    r, vocab = d["selector_rank"], cfg["vocab_size"]
+    shapes["candidate_selector.predecessor_codebook"] = (vocab, r)
+    shapes["candidate_selector.successor_codebook"] = (vocab, r)
+    shapes["candidate_selector.hidden_projection.weight"] = (r, hidden)
+    return shapes
+
+
+def write_dflash2_drafter(
+    path: str | Path, cfg: dict[str, Any], seed: int = 1, drop: tuple[str, ...] = ()
+) -> Path:
+    """A DFlash 2 drafter folder with random weights in the published layout. The selector's
+    scales are set so that its pairwise term moves the drafts (random codebooks of std 0.05
+    would leave the chain equal to the argmax, and the tests could not tell them apart)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    mx.random.seed(seed)
+    weights = {}
+    for name, shape in dflash2_shapes(cfg).items():
+        if name in drop:
+            continue
+        if len(shape) == 1 and "norm" in name:
+            w = 1.0 + 0.05 * mx.random.normal(shape)
+        elif "codebook" in name:
+            w = mx.random.normal(shape)
+        elif "hidden_projection" in name:
+            w = 0.5 * mx.random.normal(shape)
+        else:
+            w = 0.05 * mx.random.normal(shape)
+        weights[name] = w
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path

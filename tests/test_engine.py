@@ -87,8 +87,8 @@ def test_draft_vocabulary_restricts_proposals_not_output(target, mode):
     full.drafter.draft_vocab = None
     for runner in (full, restricted):
         runner.add_context(target.forward(mx.array(PROMPT), target.make_cache(), 0)[1])
-    a = np.array(full.propose(PROMPT[-1], len(PROMPT), 7))
-    b = np.array(restricted.propose(PROMPT[-1], len(PROMPT), 7))
+    a = np.array(full.propose(PROMPT[-1], len(PROMPT), 7).logits)
+    b = np.array(restricted.propose(PROMPT[-1], len(PROMPT), 7).logits)
     np.testing.assert_allclose(b[:, vocab], a[:, vocab], rtol=1e-5, atol=1e-5)
     outside = np.setdiff1d(np.arange(target.vocab_size), vocab)
     assert np.isneginf(b[:, outside]).all()

@@ -62,7 +62,7 @@ def test_block_logits_equal_zlabs(pair):
     _, taps = target.forward(mx.array(PROMPT[:-1]), session.cache, 0)
     session.commit(PROMPT[:-1], taps)
     last, start, n = PROMPT[-1], len(PROMPT) - 1, ours.block_size - 1
-    mine = ours.propose(last, start, n)
+    mine = ours.propose(last, start, n).logits
     theirs.bind(model)
     cache = theirs.make_cache()
     block = mx.array([[last] + [theirs.config.mask_token_id] * n])

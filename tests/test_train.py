@@ -80,7 +80,7 @@ def test_training_forward_matches_propose(target):
     for j, a in enumerate(anchors):
         runner = DrafterRunner(drafter, target)
         runner.add_context(taps[:a])
-        ref = runner.propose(toks[a], a, cfg.block_size - 1)
+        ref = runner.propose(toks[a], a, cfg.block_size - 1).logits
         assert mx.allclose(logits[0, j, 1:], ref, atol=1e-4), a
 
 
@@ -115,7 +115,7 @@ def _assert_same_drafts(target, a, b, toks: list[int]) -> None:
     for d in (a, b):
         runner = DrafterRunner(d, target)
         runner.add_context(taps[:-1])
-        drafts.append(runner.propose(toks[-1], len(toks) - 1, d.cfg.block_size - 1))
+        drafts.append(runner.propose(toks[-1], len(toks) - 1, d.cfg.block_size - 1).logits)
     assert mx.allclose(drafts[0], drafts[1], atol=1e-5)
 
 
@@ -261,7 +261,7 @@ def test_corpus_trained_drafter_ships_its_draft_vocabulary(target, data, tmp_pat
         np.testing.assert_array_equal(loaded.draft_vocab, trainer.vocab)
     runner = DrafterRunner(loaded, target)
     runner.add_context(target.forward(mx.array(recs[0]["tokens"][:9]), target.make_cache(), 0)[1])
-    logits = np.array(runner.propose(recs[0]["tokens"][8], 9, 3))
+    logits = np.array(runner.propose(recs[0]["tokens"][8], 9, 3).logits)
     assert set(np.nonzero(np.isfinite(logits))[1]) <= set(trainer.vocab.tolist())
     (converted / "draft_vocab.json").write_text('{"token_ids": [1, 99999]}')
     with pytest.raises(DFlashError, match="outside the vocabulary"):

@@ -27,7 +27,7 @@ from .read import (
     check_drafter_weights,
     check_pair,
     is_drafter_config,
-    is_drafter_linear,
+    quantizable_base,
     load_safetensors,
     load_weights,
     read_config,
@@ -223,7 +223,9 @@ def _check_readable(source: Path) -> None:
 
 
 def quantize_drafter_weights(weights: dict[str, Any], group_size: int, bits: int) -> dict[str, Any]:
-    """Affine-quantize the linear layers only, in nn.QuantizedLinear's layout; norms stay float.
+    """Affine-quantize the linear layers (and DFlash 2's selector codebooks, as embeddings are:
+    at 200K tokens they are the drafter's biggest tensors) in MLX's layout; norms and the
+    convolutions' static kernels stay float.
 
     A layer whose input size is not a multiple of the group size stays float (as in mlx-lm);
     loaders tell the two apart by the presence of `X.scales`.
@@ -232,10 +234,10 @@ def quantize_drafter_weights(weights: dict[str, Any], group_size: int, bits: int
 
     out: dict[str, Any] = {}
     for name, w in weights.items():
-        if not is_drafter_linear(name) or w.shape[-1] % group_size:
+        base = quantizable_base(name)
+        if base is None or w.shape[-1] % group_size:
             out[name] = w
             continue
-        base = name[: -len(".weight")]
         wq, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
         out[name], out[f"{base}.scales"], out[f"{base}.biases"] = wq, scales, biases
     return out

@@ -14,7 +14,12 @@ from typing import Any
 import mlx.core as mx
 
 from ..errors import DFlashError
-from ..models.drafter_config import DRAFTER_ARCHITECTURE, DrafterConfig
+from ..models.drafter_config import (
+    DRAFTER2_ARCHITECTURE,
+    DRAFTER_ARCHITECTURE,
+    DrafterConfig,
+    architecture_of,
+)
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 INDEX_FILE = "model.safetensors.index.json"
@@ -29,7 +34,16 @@ DRAFTER_LINEARS = (
     "mlp.gate_proj",
     "mlp.up_proj",
     "mlp.down_proj",
+    # DFlash 2
+    "attention_conv.kernel_projection",
+    "mlp_conv.kernel_projection",
+    "candidate_selector.hidden_projection",
 )
+# DFlash 2's selector codebooks: [V, r] tables published without a `.weight` suffix (and kept
+# so in our folders, where z-lab's loader reads them); quantized like embeddings, the packed
+# table keeps the bare name beside `X.scales` / `X.biases`.
+CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+DFLASH2_PARTS = ("attention_conv", "mlp_conv", "candidate_selector")
 # Tensors that belong to a drafter that brings its own vocabulary, which DFlash never does.
 FOREIGN_TENSORS = ("lm_head", "embed_tokens")
 
@@ -61,10 +75,8 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def is_drafter_config(cfg: dict[str, Any]) -> bool:
-    archs = cfg.get("architectures") or ()
-    if isinstance(archs, str):
-        archs = (archs,)
-    return DRAFTER_ARCHITECTURE in archs
+    """A DFlash (1 or 2) drafter's config.json: decided by `architectures` alone."""
+    return architecture_of(cfg) is not None
 
 
 def weight_files(folder: str | Path) -> list[Path]:
@@ -119,9 +131,14 @@ def load_weights(folder: str | Path) -> dict[str, mx.array]:
 
 
 def strip_model_prefix(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Drop a `model.` prefix some exports put on drafter tensors; z-lab names have none."""
+    """Drop a `model.` prefix some exports put on drafter tensors; z-lab names have none.
+    A selector codebook saved under an embedding's own name (`X.weight`) gets its published
+    bare name back."""
     if weights and all(k.startswith("model.") for k in weights):
-        return {k[len("model.") :]: v for k, v in weights.items()}
+        weights = {k[len("model.") :]: v for k, v in weights.items()}
+    renamed = {f"{c}.weight": c for c in CODEBOOKS if f"{c}.weight" in weights and c not in weights}
+    if renamed:
+        weights = {renamed.get(k, k): v for k, v in weights.items()}
     return weights
 
 
@@ -135,6 +152,13 @@ def is_drafter_linear(name: str) -> bool:
         return False
     base = name[: -len(".weight")]
     return any(base == lin or base.endswith("." + lin) for lin in DRAFTER_LINEARS)
+
+
+def quantizable_base(name: str) -> str | None:
+    """`X` for a tensor quantization may pack (a linear's `X.weight`, or a codebook `X`)."""
+    if name in CODEBOOKS:
+        return name
+    return name[: -len(".weight")] if is_drafter_linear(name) else None
 
 
 def drafter_weight_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
@@ -159,6 +183,15 @@ def drafter_weight_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "mlp.gate_proj.weight"] = (inter, h)
         shapes[p + "mlp.up_proj.weight"] = (inter, h)
         shapes[p + "mlp.down_proj.weight"] = (h, inter)
+        if cfg.kind == "dflash2":
+            k, groups = cfg.conv_kernel_size, h // cfg.conv_group_size
+            for conv in ("attention_conv", "mlp_conv"):
+                shapes[f"{p}{conv}.base_kernel"] = (2, k, h)
+                shapes[f"{p}{conv}.kernel_projection.weight"] = (2 * k * groups, h)
+    if cfg.kind == "dflash2":
+        for name in CODEBOOKS:
+            shapes[name] = (cfg.vocab_size, cfg.selector_rank)
+        shapes["candidate_selector.hidden_projection.weight"] = (cfg.selector_rank, h)
     return shapes
 
 
@@ -191,14 +224,21 @@ def check_drafter_weights(
                 f"The drafter checkpoint carries its own '{name}', so it belongs to a different "
                 "drafter family; a DFlash drafter borrows the target's embeddings and LM head."
             )
+    if cfg.kind == "dflash":
+        for name in sorted(weights):
+            if any(part in DFLASH2_PARTS for part in name.split(".")):
+                raise DFlashError(
+                    f"The drafter checkpoint holds the DFlash 2 tensor '{name}' but its "
+                    f"config.json declares {DRAFTER_ARCHITECTURE}, not {DRAFTER2_ARCHITECTURE}."
+                )
     expected = dict(drafter_weight_shapes(cfg))
     if quantization:
         gs, bits = int(quantization["group_size"]), int(quantization["bits"])
         for name, shape in list(expected.items()):
-            base = name[: -len(".weight")]
-            if is_drafter_linear(name) and f"{base}.scales" in weights:
+            base = quantizable_base(name)
+            if base is not None and f"{base}.scales" in weights:
                 for part, s in quantized_shapes(shape, gs, bits).items():
-                    expected[f"{base}.{part}"] = s
+                    expected[name if part == "weight" else f"{base}.{part}"] = s
     for name, shape in expected.items():
         if name not in weights:
             raise DFlashError(f"The drafter checkpoint is missing tensor '{name}'.")
@@ -266,8 +306,9 @@ def read_drafter(
     raw = read_config(folder, "drafter")
     if not is_drafter_config(raw):
         raise DFlashError(
-            f"{folder} is not a DFlash drafter (its config.json architectures do not list "
-            f"{DRAFTER_ARCHITECTURE}); pass a drafter folder to --drafter."
+            f"{folder} is not a DFlash drafter (its config.json architectures list neither "
+            f"{DRAFTER_ARCHITECTURE} nor {DRAFTER2_ARCHITECTURE}); pass a drafter folder to "
+            "--drafter."
         )
     n_target = num_target_layers
     if target_cfg is not None:

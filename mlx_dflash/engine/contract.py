@@ -14,10 +14,13 @@ Drafter.add_context).
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
+
+from .lattice import Lattice
 
 
 class Cache(Protocol):
@@ -47,6 +50,16 @@ class Cache(Protocol):
         ...
 
 
+@dataclass
+class Proposal:
+    """One drafter pass: logits (n, V) for the n slots after the last token and, from a DFlash 2
+    drafter, the selector's lattice over them: then the drafts are its chain, not the argmax
+    of the logits (engine/lattice.py)."""
+
+    logits: mx.array
+    lattice: Lattice | None = None
+
+
 class Drafter(Protocol):
     """A draft source fed with the target's taps (KV injection): a DFlash drafter, or a test's
     oracle. It holds context for exactly the positions the target's cache holds."""
@@ -64,8 +77,8 @@ class Drafter(Protocol):
         """Taps (T, n_taps * H) of T newly committed positions."""
         ...
 
-    def propose(self, last_token: int, start: int, n: int) -> mx.array:
-        """Logits (n, V) for positions start+1..start+n, from one drafter pass."""
+    def propose(self, last_token: int, start: int, n: int) -> Proposal:
+        """The n positions start+1..start+n, from one drafter pass."""
         ...
 
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from .budget import AutoBudget, FixedBudget
 from .contract import Drafter
+from .lattice import lattice_tree
 from .lookup import LookupStats, PromptLookup
 from .rounds import plain_round
 from .session import GenerationConfig, Round, Session
@@ -88,11 +89,16 @@ class DDTree:
         # A tree of max_b nodes is at most max_b deep: deeper slots' logits would go unused,
         # and the LM head over them is most of the drafter's time on a CPU.
         t0 = time.perf_counter()
-        logits_q = drafter.propose(last, start, min(n, max_b))
+        proposal = drafter.propose(last, start, min(n, max_b))
         t_build = time.perf_counter() - t0
         k = min(self.branching or max_b, max_b)
-        cand_tok, cand_lp = top_candidates(logits_q, k)
-        return self.policy.cut(build_tree(last, cand_tok, cand_lp, max_b)), t_build
+        if proposal.lattice is not None:  # DFlash 2: the tree follows the selector's chain
+            temp = self.sampling.temperature if not self.sampling.greedy else 1.0
+            tree = lattice_tree(last, proposal.lattice, max_b, k, temp)
+        else:
+            cand_tok, cand_lp = top_candidates(proposal.logits, k)
+            tree = build_tree(last, cand_tok, cand_lp, max_b)
+        return self.policy.cut(tree), t_build
 
     def _lookup_chains(self, tree: Tree, last: int, room: int) -> list[list[int]]:
         """This round's lookup branches, as the budget policy cuts them."""

@@ -114,11 +114,20 @@ def block_round(session: Session, last: int, n: int, sampling, rng, profile=Fals
 
 
 def _draft_block(drafter, last: int, start: int, n: int, sampling, rng):
-    """(drafts on the device, their distribution q or None, the acceptance rule's key)."""
-    q_logits = drafter.propose(last, start, n)
+    """(drafts on the device, their distribution q or None, the acceptance rule's key).
+
+    A DFlash 2 drafter's drafts are its selector's chain, and under sampling q is the chain's
+    sparse distribution over each position's candidates (engine/lattice.py)."""
+    proposal = drafter.propose(last, start, n)
+    q_logits, lattice = proposal.logits, proposal.lattice
     if sampling.greedy:
+        if lattice is not None:
+            return lattice.greedy(), None, None
         return mx.argmax(q_logits, axis=-1).astype(mx.int32), None, None
     key_draft, key_accept = mx.random.split(mx.random.key(int(rng.integers(2**31))))
+    if lattice is not None:
+        drafts, q = lattice.sample(sampling.temperature, key_draft, q_logits.shape[-1])
+        return drafts, q, key_accept
     q = device_probs(q_logits, sampling)
     return mx.random.categorical(mx.log(q), key=key_draft).astype(mx.int32), q, key_accept
 

@@ -74,6 +74,63 @@ class KVCache:
         return [] if self.keys is None or self.values is None else [self.keys, self.values]
 
 
+class ContextCache(KVCache):
+    """A drafter layer's context rows, for absolute positions [dropped, end).
+
+    With `window` (a sliding-window drafter: every layer sees at most `window` rows before a
+    block), rows older than that are dropped, amortised: the buffer is cut back to `window`
+    rows once it holds twice as many. A rewind to before the dropped rows leaves an empty
+    context that starts there: drafts see less until new rows come, the output is unchanged.
+    """
+
+    def __init__(self, window: int | None = None) -> None:
+        super().__init__()
+        self.window = window
+        self.dropped = 0  # positions before the first row held
+
+    @property
+    def end(self) -> int:
+        """The position after the last context row."""
+        return self.dropped + self.offset
+
+    @property
+    def visible(self) -> int:
+        """Rows a block attends to: the newest `window` (all, without a window)."""
+        return self.offset if self.window is None else min(self.offset, self.window)
+
+    def skip(self, n: int) -> None:
+        """Forget every row and move the end n positions on (rows nobody will see)."""
+        self.dropped = self.end + n
+        self.offset = 0
+
+    def append(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        out = super().append(keys, values)
+        w = self.window
+        if w is not None and self.offset >= 2 * w and self.keys is not None:
+            assert self.values is not None
+            cut = self.offset - w
+            self.keys = mx.contiguous(self.keys[..., cut : self.offset, :])
+            self.values = mx.contiguous(self.values[..., cut : self.offset, :])
+            self.dropped += cut
+            self.offset = w
+            out = self.keys, self.values
+        return out
+
+    def extend(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """The visible rows followed by these (not kept)."""
+        k, v = KVCache.append(self, keys, values)  # never cut the buffer under a block
+        self.offset -= keys.shape[2]
+        first = self.offset - self.visible
+        return k[..., first:, :], v[..., first:, :]
+
+    def trim(self, length: int) -> None:
+        """Keep the positions before `length` (absolute)."""
+        if length < self.dropped:
+            self.dropped, self.offset = max(0, length), 0
+        else:
+            self.offset = min(self.offset, length - self.dropped)
+
+
 # mypy checks KVCache against the engine's Cache protocol (engine/contract.py)
 if TYPE_CHECKING:
     from ..engine.contract import Cache

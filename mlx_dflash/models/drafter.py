@@ -3,7 +3,9 @@
 A few Qwen3-style layers that see the target's tapped hidden states through "KV injection":
 each layer projects the (fc + hidden_norm) context with its own k/v projections into a cache,
 and a block [last token, MASK x (bs-1)] attends bidirectionally over that cache plus itself.
-The drafter has no embeddings or LM head: it borrows the target's.
+The drafter has no embeddings or LM head: it borrows the target's. A DFlash 2 drafter
+(`cfg.kind == "dflash2"`) wraps each sublayer in a dynamic convolution and proposes through its
+candidate selector's lattice (models/dflash2.py).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.rope_utils import initialize_rope
 
+from ..engine.contract import Proposal
 from ..errors import DFlashError
-from .cache import KVCache
+from .cache import ContextCache
+from .dflash2 import CandidateSelector, GroupedDynamicConv
 from .drafter_config import DrafterConfig
 
 # Optional, beside config.json: {"token_ids": [...]}, the only tokens this drafter proposes.
@@ -53,7 +57,7 @@ class DrafterAttention(nn.Module):
         v = self.v_proj(x).reshape(1, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return self.rope(k, offset=offset), v
 
-    def __call__(self, x, cache: KVCache, start: int, mask) -> mx.array:
+    def __call__(self, x, cache: ContextCache, start: int, mask) -> mx.array:
         """The block x (1, L, H) at positions start.. over the layer's cached context plus
         itself. The block's K/V go into the cache's buffer after the context (no copy of the
         context, which grows with the text) and are not kept: the next append overwrites them."""
@@ -84,6 +88,26 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
+    def __call__(self, h: mx.array, cache: ContextCache, start: int, mask) -> mx.array:
+        h = h + self.self_attn(self.input_layernorm(h), cache, start, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlash2Layer(DrafterLayer):
+    """A DFlash 1 layer with each sublayer between the two halves of a dynamic convolution."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__(cfg)
+        conv = (cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+        self.attention_conv = GroupedDynamicConv(*conv)
+        self.mlp_conv = GroupedDynamicConv(*conv)
+
+    def __call__(self, h: mx.array, cache: ContextCache, start: int, mask) -> mx.array:
+        x, d = self.attention_conv.prepare(self.input_layernorm(h))
+        h = h + self.attention_conv.finish(self.self_attn(x, cache, start, mask), d)
+        x, d = self.mlp_conv.prepare(self.post_attention_layernorm(h))
+        return h + self.mlp_conv.finish(self.mlp(x), d)
+
 
 class DFlashDrafter(nn.Module):
     """Parameter names match the published z-lab checkpoints exactly."""
@@ -94,8 +118,13 @@ class DFlashDrafter(nn.Module):
         h = cfg.hidden_size
         self.fc = nn.Linear(cfg.num_taps * h, h, bias=False)
         self.hidden_norm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
-        self.layers = [DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers)]
+        layer = DFlash2Layer if cfg.kind == "dflash2" else DrafterLayer
+        self.layers = [layer(cfg) for _ in range(cfg.num_hidden_layers)]
         self.norm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
+        if cfg.kind == "dflash2":
+            self.candidate_selector = CandidateSelector(
+                cfg.vocab_size, h, cfg.selector_rank, cfg.selector_top_k
+            )
         self.draft_vocab: np.ndarray | None = None  # see DRAFT_VOCAB_FILE (numpy: not a weight)
 
     def block_mask(self, i: int, start: int, ctx_len: int, bs: int):
@@ -114,22 +143,38 @@ class DFlashDrafter(nn.Module):
             mask = mask & (k_pos > q_pos - window)
         return mask
 
-    def add_context(self, ctx: mx.array, cache: list[KVCache]) -> None:
-        """Project new target taps (n, n_taps*H) once and append them to every layer's cache."""
+    def context_rows(self) -> int | None:
+        """How many of the newest context rows any layer can see (None: all of them). A block's
+        first position sees `sliding_window - 1` rows before it, so no more are kept."""
+        windows = [self.cfg.layer_window(i) for i in range(len(self.layers))]
+        if any(w is None for w in windows):
+            return None
+        return max(cast(int, w) for w in windows) - 1
+
+    def make_cache(self) -> list[ContextCache]:
+        return [ContextCache(self.context_rows()) for _ in self.layers]
+
+    def add_context(self, ctx: mx.array, cache: list[ContextCache]) -> None:
+        """Project new target taps (n, n_taps*H) once and append them to every layer's cache.
+        Rows no layer will see (a long prefill before a sliding-window drafter) are skipped
+        before the projection."""
+        keep = self.context_rows()
+        if keep is not None and ctx.shape[0] > keep:
+            for lc in cache:
+                lc.skip(ctx.shape[0] - keep)
+            ctx = ctx[ctx.shape[0] - keep :]
         c = self.hidden_norm(self.fc(ctx[None]))
-        offset = cache[0].offset
+        position = cache[0].end
         for layer, lc in zip(self.layers, cache, strict=True):
-            k, v = layer.self_attn.project_kv(c, offset)
+            k, v = layer.self_attn.project_kv(c, position)
             lc.append(k, v)
 
-    def __call__(self, block_embeds: mx.array, cache: list[KVCache], start: int) -> mx.array:
+    def __call__(self, block_embeds: mx.array, cache: list[ContextCache], start: int) -> mx.array:
         """Hidden states (bs, H) for a block at positions start.., over the cached context."""
         h = block_embeds[None]
         bs = h.shape[1]
         for i, (layer, lc) in enumerate(zip(self.layers, cache, strict=True)):
-            mask = self.block_mask(i, start, lc.offset, bs)
-            h = h + layer.self_attn(layer.input_layernorm(h), lc, start, mask)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = layer(h, lc, start, self.block_mask(i, start, lc.visible, bs))
         return self.norm(h)[0]
 
 
@@ -146,7 +191,8 @@ class DrafterRunner:
         self.cfg = drafter.cfg
         self.target = target
         self.block_size = self.cfg.block_size
-        self.cache = [KVCache() for _ in drafter.layers]
+        self.kind = self.cfg.kind
+        self.cache = drafter.make_cache()
         self.vocab = self.rows = self.outside = None
         if drafter.draft_vocab is not None:
             self.vocab = mx.array(drafter.draft_vocab.astype(np.int32))
@@ -159,7 +205,7 @@ class DrafterRunner:
 
     @property
     def context_len(self) -> int:
-        return self.cache[0].offset
+        return self.cache[0].end
 
     def reset(self, length: int = 0) -> None:
         for c in self.cache:
@@ -168,15 +214,29 @@ class DrafterRunner:
     def add_context(self, taps: mx.array) -> None:
         self.drafter.add_context(taps, self.cache)
 
-    def propose(self, last_token: int, start: int, n: int) -> mx.array:
-        """Logits (n, V) for positions start+1..start+n, from one drafter pass."""
+    def propose(self, last_token: int, start: int, n: int) -> Proposal:
+        """The n positions start+1..start+n, from one drafter pass: logits, and a DFlash 2
+        drafter's lattice."""
+        h = self.hidden(last_token, start, n)
+        logits = self.logits(h)
+        if self.cfg.kind == "dflash2":
+            lattice = self.drafter.candidate_selector.lattice(h, logits, last_token)
+            return Proposal(logits, lattice)
+        return Proposal(logits)
+
+    def hidden(self, last_token: int, start: int, n: int) -> mx.array:
+        """The drafter's final hidden states (n, H) for positions start+1..start+n."""
         assert start == self.context_len, "drafter context out of sync with the target"
         cfg = self.cfg
         block = mx.array([last_token] + [cfg.mask_token_id] * (self.block_size - 1))
         emb = self.target.embed(block)
         if cfg.input_embedding_scale is not None:
             emb = emb * cfg.input_embedding_scale
-        h = self.drafter(emb, self.cache, start)[1 : n + 1]
+        return self.drafter(emb, self.cache, start)[1 : n + 1]
+
+    def logits(self, h: mx.array) -> mx.array:
+        """Logits (n, V) of hidden states h, restricted to the draft vocabulary if it has one."""
+        cfg, n = self.cfg, h.shape[0]
         if self.vocab is None:
             return drafter_logits(cfg, self.target, h)
         if self.outside is not None:
@@ -215,10 +275,12 @@ def load_drafter(
 ) -> DFlashDrafter:
     """Load a (converted or published) drafter folder, validated by `checkpoint.read_drafter`
     (with `target_config`, against its target too)."""
-    from ..checkpoints.read import read_drafter
+    from ..checkpoints.read import CODEBOOKS, read_drafter
 
     path = Path(path)
     cfg, weights = read_drafter(path, target_config, num_target_layers)
+    # The selector's codebooks are nn.Embedding tables here; the checkpoint names them bare.
+    weights = {(f"{k}.weight" if k in CODEBOOKS else k): v for k, v in weights.items()}
     model = DFlashDrafter(cfg)
     quant = json.loads((path / "config.json").read_text()).get("quantization")
     if quant:
@@ -226,7 +288,9 @@ def load_drafter(
             model,
             group_size=quant["group_size"],
             bits=quant["bits"],
-            class_predicate=lambda p, m: isinstance(m, nn.Linear) and f"{p}.scales" in weights,
+            class_predicate=lambda p, m: (
+                isinstance(m, nn.Linear | nn.Embedding) and f"{p}.scales" in weights
+            ),
         )
     try:
         model.load_weights(list(weights.items()), strict=True)
@@ -235,6 +299,16 @@ def load_drafter(
         raise DFlashError(f"Could not load the drafter weights in {path}: {e}") from None
     model.draft_vocab = read_draft_vocab(path, cfg.vocab_size)
     return model
+
+
+def checkpoint_weights(model: DFlashDrafter) -> dict[str, mx.array]:
+    """The drafter's tensors under their published names (bare selector codebooks), so that a
+    folder we save loads in z-lab's loader too."""
+    from ..checkpoints.read import CODEBOOKS
+
+    bare = {f"{c}.weight": c for c in CODEBOOKS}
+    flat = cast(list[tuple[str, mx.array]], nn.utils.tree_flatten(model.parameters()))
+    return {bare.get(k, k): v for k, v in flat}
 
 
 def read_draft_vocab(folder: Path, vocab_size: int | None) -> np.ndarray | None:

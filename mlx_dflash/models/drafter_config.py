@@ -14,6 +14,22 @@ from typing import Any
 from ..errors import DFlashError
 
 DRAFTER_ARCHITECTURE = "DFlashDraftModel"
+# DFlash 2 (../shared/docs/dflash2.md): a dynamic convolution around each sublayer and a
+# candidate selector whose drafts are a first-order chain over the top-k candidates.
+DRAFTER2_ARCHITECTURE = "DFlash2DraftModel"
+DRAFTER_ARCHITECTURES = (DRAFTER_ARCHITECTURE, DRAFTER2_ARCHITECTURE)
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def architecture_of(cfg: dict[str, Any]) -> str | None:
+    """The drafter architecture a config.json declares (never guessed from a hub id)."""
+    archs = cfg.get("architectures") or ()
+    if isinstance(archs, str):
+        archs = (archs,)
+    for arch in (DRAFTER2_ARCHITECTURE, DRAFTER_ARCHITECTURE):
+        if arch in archs:
+            return arch
+    return None
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
@@ -67,6 +83,26 @@ def _layer_types(cfg: dict, n_layers: int) -> tuple[list[str], int | None]:
     return list(layer_types), None if sliding_window is None else int(sliding_window)
 
 
+def _dflash2_fields(cfg: dict, dcfg: dict, hidden: int) -> dict[str, int]:
+    """The DFlash 2 sizes, checked; {} for a DFlash 1 config."""
+    if architecture_of(cfg) != DRAFTER2_ARCHITECTURE:
+        return {}
+    out = {}
+    for key in DFLASH2_FIELDS:
+        v = dcfg.get(key, cfg.get(key))
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise DFlashError(
+                f"The DFlash 2 drafter config needs a positive dflash_config.{key}, not {v}."
+            )
+        out[key] = v
+    if hidden % out["conv_group_size"]:
+        raise DFlashError(
+            f"The DFlash 2 drafter's hidden size {hidden} is not a multiple of its "
+            f"conv_group_size {out['conv_group_size']}."
+        )
+    return out
+
+
 @dataclass
 class DrafterConfig:
     hidden_size: int
@@ -90,6 +126,16 @@ class DrafterConfig:
     input_embedding_scale: float | None = None
     output_multiplier: float | None = None
     final_logit_softcapping: float | None = None
+    # DFlash 2 only (all 0 for DFlash 1): the dynamic convolution and the candidate selector.
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+
+    @property
+    def kind(self) -> str:
+        """ "dflash2" or "dflash": which drafter generation this is (doctor and --json say)."""
+        return "dflash2" if self.selector_top_k else "dflash"
 
     @property
     def num_taps(self) -> int:
@@ -143,7 +189,8 @@ class DrafterConfig:
             v = dcfg.get(key, cfg.get(key))
             return None if v is None else float(v)
 
-        is_causal = dcfg.get("is_causal", cfg.get("is_causal"))
+        is_causal = cfg.get("is_causal", dcfg.get("is_causal"))
+        dflash2 = _dflash2_fields(cfg, dcfg, hidden)
         return cls(
             hidden_size=hidden,
             num_hidden_layers=n_layers,
@@ -166,6 +213,7 @@ class DrafterConfig:
             input_embedding_scale=opt_float("input_embedding_scale"),
             output_multiplier=opt_float("output_multiplier"),
             final_logit_softcapping=opt_float("final_logit_softcapping"),
+            **dflash2,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -174,8 +222,12 @@ class DrafterConfig:
         loader reads an explicit null as a number (`float(None)`) and fails."""
         d = asdict(self)
         dflash = {k: d.pop(k) for k in ("block_size", "mask_token_id", "target_layer_ids")}
+        is_causal = d.pop("is_causal")
+        for k in DFLASH2_FIELDS:
+            v = d.pop(k)
+            if self.kind == "dflash2":
+                dflash[k] = v
         for k in (
-            "is_causal",
             "input_embedding_scale",
             "output_multiplier",
             "final_logit_softcapping",
@@ -183,7 +235,10 @@ class DrafterConfig:
             v = d.pop(k)
             if v is not None:
                 dflash[k] = v
-        out = {"architectures": [DRAFTER_ARCHITECTURE], "model_type": "qwen3", **d}
+        arch = DRAFTER2_ARCHITECTURE if self.kind == "dflash2" else DRAFTER_ARCHITECTURE
+        out = {"architectures": [arch], "model_type": "qwen3", **d}
+        if is_causal is not None:  # top level, where the published configs and z-lab read it
+            out["is_causal"] = is_causal
         out["block_size"] = dflash["block_size"]
         out["dflash_config"] = dflash
         out["tie_word_embeddings"] = False

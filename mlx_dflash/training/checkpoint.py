@@ -10,7 +10,13 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..atomic import atomic_file
-from ..models.drafter import DRAFT_VOCAB_FILE, DFlashDrafter, load_drafter, write_draft_vocab
+from ..models.drafter import (
+    DRAFT_VOCAB_FILE,
+    DFlashDrafter,
+    checkpoint_weights,
+    load_drafter,
+    write_draft_vocab,
+)
 
 STATE_FILE = "trainer_state.json"
 OPT_FILE = "optimizer.npz"  # not *.safetensors: load_drafter reads those
@@ -28,7 +34,7 @@ def save_checkpoint(out: Path, drafter: DFlashDrafter, opt, step: int, meta: dic
         (out / DRAFT_VOCAB_FILE).unlink()
     cfg = drafter.cfg.to_dict()
     cfg["torch_dtype"] = "float32"
-    weights = dict(tree_flatten(drafter.parameters()))
+    weights = checkpoint_weights(drafter)
     atomic_file(
         out / "model.safetensors",
         lambda p: mx.save_safetensors(p, weights, metadata={"format": "pt"}),

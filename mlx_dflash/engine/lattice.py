@@ -1,0 +1,124 @@
+"""A DFlash 2 drafter's proposal: a lattice of k candidates per block position whose scores
+depend on the previous position's token (../shared/docs/dflash2.md §2.4).
+
+The drafts are a walk through it: greedy takes each position's best candidate given the one
+before (exactly z-lab's selector), sampling draws from softmax(score / T) over the k candidates,
+and that sparse q is what the acceptance rule divides by. DDTree expands the lattice best-first:
+a node's children are the next position's candidates scored with the node's own token as the
+predecessor, so the tree follows the pairwise term instead of independent marginals.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .tree import Tree
+
+
+@dataclass
+class Lattice:
+    """Scores of every edge, left on the device: `first[j]` is candidate j at position 0 after
+    the anchor; `pairs[t - 1, i, j]` is candidate j at position t after candidate i at t - 1."""
+
+    cand: mx.array  # (n, k) token ids
+    first: mx.array  # (k,)
+    pairs: mx.array  # (n - 1, k, k)
+
+    @property
+    def depth(self) -> int:
+        return self.cand.shape[0]
+
+    def _rows(self, chosen: list[mx.array]):
+        """The score row of the next position, given the candidate indices chosen so far."""
+        if not chosen:
+            return self.first
+        return mx.take(self.pairs[len(chosen) - 1], chosen[-1], axis=0)
+
+    def _tokens(self, chosen: list[mx.array]) -> mx.array:
+        idx = mx.stack(chosen)
+        return mx.take_along_axis(self.cand, idx[:, None], axis=-1)[:, 0].astype(mx.int32)
+
+    def greedy(self) -> mx.array:
+        """The selector's greedy chain (n,), as lazy device ops: no host sync."""
+        chosen: list[mx.array] = []
+        for _ in range(self.depth):
+            chosen.append(mx.argmax(self._rows(chosen), axis=-1))
+        return self._tokens(chosen)
+
+    def sample(self, temperature: float, key: mx.array, vocab_size: int):
+        """(drafts (n,), q (n, V)): a chain drawn from softmax(score / T) position by position,
+        and each position's sparse q scattered onto the vocabulary (zero off the candidates)."""
+        chosen: list[mx.array] = []
+        q_rows = []
+        for key_t in mx.random.split(key, self.depth):
+            q = mx.softmax(self._rows(chosen).astype(mx.float32) / temperature, axis=-1)
+            chosen.append(mx.random.categorical(mx.log(q), key=key_t))
+            q_rows.append(q)
+        q_sparse = mx.stack(q_rows)
+        dense = mx.zeros((self.depth, vocab_size), dtype=mx.float32)
+        dense = mx.put_along_axis(dense, self.cand.astype(mx.int32), q_sparse, axis=-1)
+        return self._tokens(chosen), dense
+
+
+def lattice_tree(
+    root: int, lattice: Lattice, budget: int, branching: int | None = None, temperature: float = 1.0
+) -> Tree:
+    """Best-first over the lattice's paths: the `budget` most probable prefixes under the
+    selector's chain distribution (log softmax(score / T) along the path), parents first, at
+    most `branching` children a node.
+
+    Each node remembers its candidate index; its children are the next position's candidates
+    in the order of `pairs[depth][index]`. As in tree.build_tree, every pop is a node and
+    pushes its next sibling and its best child, so the heap stays small.
+    """
+    cand = np.array(lattice.cand)
+    n, k = cand.shape
+    k = min(k, branching or k)
+    first = np.array(lattice.first.astype(mx.float32), dtype=np.float64) / temperature
+    pairs = np.array(lattice.pairs.astype(mx.float32), dtype=np.float64) / temperature
+    first_lp = _log_softmax(first)
+    pairs_lp = _log_softmax(pairs) if n > 1 else pairs
+    first_order = np.argsort(-first_lp, kind="stable")
+    pairs_order = np.argsort(-pairs_lp, axis=-1, kind="stable")
+
+    def child(depth: int, parent_idx: int, rank: int) -> tuple[int, float]:
+        """(candidate index, log-prob) of the rank-th best child at `depth` of a parent that
+        holds candidate `parent_idx` at depth - 1 (the anchor for depth 0)."""
+        if depth == 0:
+            j = int(first_order[rank])
+            return j, float(first_lp[j])
+        j = int(pairs_order[depth - 1, parent_idx, rank])
+        return j, float(pairs_lp[depth - 1, parent_idx, j])
+
+    out_tok, out_par, out_dep, out_lp, out_idx = [root], [-1], [0], [0.0], [-1]
+    heap: list[tuple[float, int, int, int]] = []  # (-path log-prob, depth, rank, parent node)
+    if n and budget > 0:
+        heap.append((-child(0, -1, 0)[1], 0, 0, 0))
+    while heap and len(out_tok) <= budget:
+        neg, d, r, parent = heapq.heappop(heap)
+        j, lp = child(d, out_idx[parent], r)
+        node = len(out_tok)
+        out_tok.append(int(cand[d, j]))
+        out_par.append(parent)
+        out_dep.append(d + 1)
+        out_lp.append(-neg)
+        out_idx.append(j)
+        if r + 1 < k:
+            heapq.heappush(heap, (neg + lp - child(d, out_idx[parent], r + 1)[1], d, r + 1, parent))
+        if d + 1 < n:
+            heapq.heappush(heap, (neg - child(d + 1, j, 0)[1], d + 1, 0, node))
+    return Tree(
+        np.array(out_tok, dtype=np.int64),
+        np.array(out_par, dtype=np.int64),
+        np.array(out_dep, dtype=np.int64),
+        np.array(out_lp, dtype=np.float64),
+    )
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    top = x.max(axis=-1, keepdims=True)
+    return x - (top + np.log(np.exp(x - top).sum(axis=-1, keepdims=True)))
