@@ -57,6 +57,49 @@ class OracleDrafter:
         return Proposal(mx.array(logits))
 
 
+class LatticeOracle(OracleDrafter):
+    """A DFlash 2-shaped oracle: each slot's best logit is a wrong token and the true one comes
+    second, but the lattice's pairwise term lifts the true token after the true predecessor.
+
+    So the selector's chain (and a tree that follows the pairwise term) finds the truth, while
+    the argmax of the logits (or a tree over independent marginals) finds almost none of it:
+    a test sees which one the engine used. `corrupt` breaks the true edge at random slots.
+    """
+
+    def __init__(self, *a, k: int = 4, bonus: float = 3.0, **kw):
+        super().__init__(*a, **kw)
+        self.k, self.bonus = k, bonus
+
+    def propose(self, last_token: int, start: int, n: int) -> Proposal:
+        from mlx_dflash.engine.lattice import Lattice
+
+        assert start == self.context_len, "engine fed the drafter out of sync"
+        logits = np.zeros((n, self.vocab_size), dtype=np.float32)
+        cand = np.zeros((n, self.k), dtype=np.int32)
+        unary = np.zeros((n, self.k), dtype=np.float32)
+        for t in range(n):
+            pos = start + 1 + t
+            rng = np.random.default_rng([self.seed, start, pos])
+            true = self.truth[pos] if pos < len(self.truth) else int(rng.integers(self.vocab_size))
+            others = [int(x) for x in rng.permutation(self.vocab_size) if x != true][: self.k - 1]
+            cand[t] = [others[0], true, *others[1:]]
+            unary[t] = [5.0, 4.0, *rng.normal(0, 0.3, self.k - 2)]
+            logits[t] = rng.normal(0, 0.1, self.vocab_size) - 5.0
+            logits[t, cand[t]] = unary[t]
+        truth = [self.truth[p] if p < len(self.truth) else -1 for p in range(start, start + n + 1)]
+        broken = np.random.default_rng([self.seed, start]).random(n) < self.corrupt
+        first = unary[0] + self.bonus * (cand[0] == truth[1]) * (last_token == truth[0])
+        if broken[0]:
+            first = unary[0].copy()
+        pairs = np.repeat(unary[1:, None, :], self.k, axis=1)
+        for t in range(1, n):
+            if not broken[t]:
+                i, j = cand[t - 1] == truth[t], cand[t] == truth[t + 1]
+                pairs[t - 1][np.ix_(i, j)] += self.bonus
+        lattice = Lattice(mx.array(cand), mx.array(first), mx.array(pairs))
+        return Proposal(mx.array(logits), lattice)
+
+
 def diversify(model, gain: float = 3.0, seed: int = 0) -> None:
     """Re-initialise a tiny random target so its greedy continuation does not collapse into
     repeating one token (std-0.1 random models do), which would make exactness tests weak."""

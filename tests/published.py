@@ -630,7 +630,7 @@ def shrink_dflash2(cfg: dict[str, Any], target: dict[str, Any], layers: int = 2)
     d.update(
         mask_token_id=VOCAB - 1,
         target_layer_ids=_published_taps(n_target, len(d["target_layer_ids"])),
-        selector_rank=16,
+        selector_rank=32,
     )
     return out
 
