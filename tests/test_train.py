@@ -564,3 +564,108 @@ def test_train_command_end_to_end(run_cli, tmp_path):
         assert code != 0 and says in err and "Traceback" not in err, err
     code, _, err = run_cli("train", *common, "--no-gen", "--eval-set", "nope")
     assert code != 0 and "Unknown dataset 'nope'" in err and "Traceback" not in err
+
+
+# --- DFlash 2 -------------------------------------------------------------------------------
+
+
+def dflash2_cfg(target, **kw):
+    import dataclasses
+
+    base = new_drafter_config(target, layers=2, taps=[1, 3], block_size=8, mask_token_id=0, **kw)
+    return dataclasses.replace(
+        base, conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=6
+    )
+
+
+def test_dflash2_training_forward_matches_propose(target):
+    """With the convolutions and the selector moved off identity, the training forward still
+    computes the inference forward, and the training selector's scores are the lattice's."""
+    from mlx_dflash.training.forward import selector_loss
+
+    drafter = init_drafter(dflash2_cfg(target), seed=3)
+    for layer in drafter.layers:  # a non-trivial convolution (init is the identity)
+        for conv in (layer.attention_conv, layer.mlp_conv):
+            conv.base_kernel = 1.0 + 0.3 * mx.random.normal(conv.base_kernel.shape)
+            conv.kernel_projection.weight = 0.1 * mx.random.normal(
+                conv.kernel_projection.weight.shape
+            )
+    cfg = drafter.cfg
+    target.set_taps(cfg.target_layer_ids)
+    rng = np.random.default_rng(0)
+    toks = [1] + [int(x) for x in rng.integers(3, 500, size=60)]
+    _, taps = target.forward(mx.array(toks), target.make_cache(), 0)
+    anchors = [4, 33, 50]
+    h = drafter_blocks(
+        drafter, target, target_taps(target, mx.array([toks])), mx.array([toks]),
+        mx.array([anchors]),
+    )  # fmt: skip
+    logits = drafter_logits(cfg, target, h[:, :, 1:])
+    for j, a in enumerate(anchors):
+        runner = DrafterRunner(drafter, target)
+        runner.add_context(taps[:a])
+        ref = runner.propose(toks[a], a, cfg.block_size - 1)
+        assert mx.allclose(logits[0, j], ref.logits, atol=1e-4), a
+        # the lattice's chain, taken as labels: teacher forcing then scores that very chain
+        chain = ref.lattice.greedy()
+        prev = mx.concatenate([mx.array([toks[a]]), chain[:-1]])
+        _, hits = selector_loss(drafter.candidate_selector, h[0, j, 1:], logits[0, j], chain, prev)
+        assert hits.all().item(), a
+
+
+def test_to_dflash2_drafts_as_before_then_training_moves_the_selector(target, data):
+    from mlx_dflash.models.drafter import to_dflash2
+
+    recs, _, _ = data
+    v1 = init_drafter(small_cfg(target), seed=0)
+    _train_steps(target, v1, recs, 10)
+    v2 = to_dflash2(v1, rank=8, top_k=6)
+    assert v2.cfg.kind == "dflash2"
+    _assert_same_drafts(target, v1, v2, [1] + list(range(20, 60)))
+    # step 0: the chain is the argmax of the logits
+    runner = DrafterRunner(v2, target)
+    _, taps = target.forward(mx.array(list(range(3, 30))), target.make_cache(), 0)
+    runner.add_context(taps[:-1])
+    p = runner.propose(29, 26, 7)
+    assert np.array(p.lattice.greedy()).tolist() == np.array(mx.argmax(p.logits, -1)).tolist()
+    w0 = np.array(v2.candidate_selector.hidden_projection.weight)
+    cfg = TrainConfig(steps=10, lr=3e-3, warmup=0, batch=4, anchors=8, seed=0)
+    trainer = Trainer(target, v2, recs, cfg)
+    fixed = trainer.batch(0)
+    before = trainer._loss(v2, fixed)[0].item()
+    for _ in range(10):
+        trainer.train_step()
+    assert trainer._loss(v2, fixed)[0].item() < before
+    assert np.abs(np.array(v2.candidate_selector.hidden_projection.weight) - w0).max() > 0
+    with pytest.raises(DFlashError, match="DFlash 2 already"):
+        to_dflash2(v2)
+
+
+def test_train_cli_dflash2_from_init_and_fresh(tmp_path, data):
+    from typer.testing import CliRunner
+
+    from mlx_dflash.cli import app
+    from mlx_dflash.training.checkpoint import save_checkpoint
+
+    recs, _, shard = data
+    cli = CliRunner()
+    common = ["--answers", str(shard), "--no-gen", "--steps", "3", "--batch", "2",
+              "--anchors", "4", "--eval-prompts", "1", "--num-prompts", "4", "--eval-every", "0",
+              "--selector-rank", "8"]  # fmt: skip
+    init = tmp_path / "v1"
+    save_checkpoint(init, init_drafter(small_cfg(load_target(DEFAULT_TARGET)), seed=0), None, 0, {})
+    for name, extra in [("grown", ["--init", str(init)]), ("fresh", ["--layers", "1"])]:
+        out = tmp_path / name
+        out.mkdir()
+        (out / "answers.jsonl").write_text(shard.read_text())
+        res = cli.invoke(app, ["train", "--out", str(out), "--arch", "dflash2", *common, *extra])
+        assert res.exit_code == 0, res.output
+        saved = json.loads((out / "config.json").read_text())
+        assert saved["architectures"] == ["DFlash2DraftModel"]
+        assert saved["dflash_config"]["selector_rank"] == 8
+        from safetensors import safe_open
+
+        with safe_open(str(out / "model.safetensors"), "np") as f:
+            assert "candidate_selector.predecessor_codebook" in f.keys()
+    res = cli.invoke(app, ["train", "--out", str(tmp_path / "x"), "--arch", "dflash3", *common])
+    assert res.exit_code != 0 and "--arch must be dflash or dflash2" in str(res.exception)

@@ -10,6 +10,8 @@ from importlib.metadata import PackageNotFoundError, version
 from rich.console import Console
 from rich.table import Table
 
+from . import options as opts
+
 
 def matmul_gflops(n: int = 1024, repeats: int = 8) -> float:
     """float32 matmul throughput on the default device (the number that makes or breaks CPU decode)."""
@@ -59,9 +61,42 @@ def report() -> dict[str, str]:
     }
 
 
-def doctor_command() -> None:
-    """Print platform, MLX / mlx-lm versions, device, BLAS with measured GFLOP/s, active kernels."""
+def pair_report(model: str | None, drafter: str | None) -> dict[str, str]:
+    """The target and the drafter that would run (the embedded pair by default), read from
+    their config.json files: which drafter generation it is, never guessed from a name."""
+    from ..checkpoints.read import read_config, text_config
+    from ..checkpoints.registry import find_drafter
+    from ..checkpoints.resolve import resolve_model
+    from ..models.drafter_config import DrafterConfig
+    from ..paths import DEFAULT_DRAFTER, DEFAULT_TARGET
+
+    if model is None:
+        model, drafter = str(DEFAULT_TARGET), drafter or str(DEFAULT_DRAFTER)
+    target_path = resolve_model(model, "target")
+    tcfg = read_config(target_path, "target")
+    t = text_config(tcfg)
+    out = {"target": f"{target_path} ({t.get('model_type', tcfg.get('model_type'))}, "
+           f"{t.get('num_hidden_layers')} layers)"}  # fmt: skip
+    drafter_path = resolve_model(drafter or find_drafter(model), "drafter", target=target_path)
+    d = DrafterConfig.from_dict(
+        read_config(drafter_path, "drafter"), num_target_layers=t.get("num_hidden_layers")
+    ).describe()
+    kind = "DFlash 2" if d["kind"] == "dflash2" else "DFlash"
+    extra = ""
+    if d["kind"] == "dflash2":
+        extra = f", selector top-{d['selector']['top_k']} rank {d['selector']['rank']}"
+    window = f", sliding window {d['sliding_window']}" if d["sliding_window"] else ""
+    out["drafter"] = (
+        f"{drafter_path}: {kind} ({d['architecture']}), {d['layers']} layers, block "
+        f"{d['block_size']}{window}{extra}"
+    )
+    return out
+
+
+def doctor_command(model: str = opts.MODEL, drafter: str = opts.DRAFTER) -> None:
+    """Print platform, MLX / mlx-lm versions, device, BLAS with measured GFLOP/s, active kernels,
+    and the model pair that would run (which drafter kind: DFlash or DFlash 2)."""
     table = Table(show_header=False, box=None)
-    for k, v in report().items():
+    for k, v in {**report(), **pair_report(model, drafter)}.items():
         table.add_row(f"[bold]{k}[/bold]", v)
     Console().print(table)

@@ -56,7 +56,11 @@ def generate_command(
     if not world.is_main:
         return
     if as_json:
+        ran = runner if cfg.uses_drafter else None
         extra = {
+            "drafter": None
+            if ran is None
+            else {**ran.cfg.describe(), "block_used": ran.block_size},
             "world_size": world.size,
             "host_decisions": {"broadcasts": world.collectives, "bytes": world.bytes_agreed},
         }

@@ -3,6 +3,7 @@ itself (the work is mlx_dflash.training; recipes in training/README.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,7 +12,7 @@ import typer
 
 from ..checkpoints.read import check_pair
 from ..errors import DFlashError
-from ..models.drafter import init_drafter, load_drafter, reshape_drafter
+from ..models.drafter import init_drafter, load_drafter, reshape_drafter, to_dflash2
 from ..training.checkpoint import load_checkpoint, saved_seen_tokens
 from ..training.data import encode, load_records
 from ..training.trainer import (
@@ -87,6 +88,16 @@ BLOCK_SIZE = typer.Option(
 )
 MASK_TOKEN_ID = typer.Option(None, "--mask-token-id", help="Default: unk/pad.")
 INIT = typer.Option(None, "--init", help="Start from this drafter checkpoint.")
+ARCH = typer.Option(
+    None,
+    "--arch",
+    help="dflash (default) or dflash2: DFlash 2's dynamic convolutions and candidate selector. "
+    "With --init of a DFlash 1 drafter, dflash2 grows them so that step 0 drafts as --init does.",
+)
+SELECTOR_RANK = typer.Option(
+    32, "--selector-rank", min=1, help="DFlash 2 codebook width (published: 256)."
+)
+SELECTOR_TOP_K = typer.Option(16, "--selector-top-k", min=1, help="DFlash 2 candidates a slot.")
 STEPS = typer.Option(1000, "--steps", min=1)
 LR = typer.Option(1e-3, "--lr")
 WARMUP = typer.Option(50, "--warmup", min=0)
@@ -163,6 +174,9 @@ def train_command(
     block_size: int = BLOCK_SIZE,
     mask_token_id: int = MASK_TOKEN_ID,
     init: Path = INIT,
+    arch: str = ARCH,
+    selector_rank: int = SELECTOR_RANK,
+    selector_top_k: int = SELECTOR_TOP_K,
     steps: int = STEPS,
     lr: float = LR,
     warmup: int = WARMUP,
@@ -195,6 +209,8 @@ def train_command(
 ) -> None:
     """Train a DFlash drafter for a target on prompts answered by the target itself."""
     a = SimpleNamespace(**locals())  # what the command was told, for the steps below
+    if arch not in (None, "dflash", "dflash2"):
+        raise DFlashError(f"--arch must be dflash or dflash2, not '{arch}'.")
     target = load_training_target(model, dequantize)
     prompts = prepare_prompts(target, data, out, num_prompts, seed, story_words)
     if eval_prompts >= len(prompts):
@@ -271,11 +287,24 @@ def _starting_drafter(target, a: SimpleNamespace):
         new = (a.layers or old[0], a.block_size or old[1], a.intermediate_size or old[2])
         if new != old:
             drafter = reshape_drafter(drafter, new[0], new[1], a.seed, intermediate_size=new[2])
+        if a.arch == "dflash" and c.kind == "dflash2":
+            raise DFlashError(
+                f"--init {a.init} is a DFlash 2 drafter; it cannot lose its selector."
+            )
+        if a.arch == "dflash2" and c.kind == "dflash":
+            drafter = to_dflash2(drafter, a.selector_rank, a.selector_top_k, seed=a.seed)
         return drafter, None, 0, False, 0
     dcfg = new_drafter_config(
         target, a.layers or 2, _parse_ints(a.taps), a.block_size or 16, a.mask_token_id, a.heads,
         a.window, a.intermediate_size,
     )  # fmt: skip
+    if a.arch == "dflash2":
+        dcfg = dataclasses.replace(dcfg, conv_kernel_size=2, conv_group_size=16,
+                                   selector_rank=a.selector_rank, selector_top_k=a.selector_top_k)  # fmt: skip
+        if dcfg.hidden_size % 16:
+            raise DFlashError(
+                f"DFlash 2 needs a hidden size divisible by 16, not {dcfg.hidden_size}."
+            )
     return init_drafter(dcfg, seed=a.seed), None, 0, True, 0
 
 

@@ -344,8 +344,56 @@ def init_drafter(cfg: DrafterConfig, seed: int = 0) -> DFlashDrafter:
         for k, v in params
     ]
     model.load_weights(new)
+    if cfg.kind == "dflash2":
+        _identity_convs(model.layers)
     mx.eval(model.parameters())
     return model
+
+
+def _identity_convs(layers) -> None:
+    """DFlash 2 convolutions that pass their input through: static kernel 1 at offset 0 and no
+    dynamic part, so the layer computes what a DFlash 1 layer does until training moves it."""
+    for layer in layers:
+        for conv in (layer.attention_conv, layer.mlp_conv):
+            base = mx.zeros_like(conv.base_kernel)
+            base[:, 0, :] = 1.0
+            conv.base_kernel = base
+            conv.kernel_projection.weight = mx.zeros_like(conv.kernel_projection.weight)
+
+
+def to_dflash2(
+    drafter: DFlashDrafter,
+    rank: int = 32,
+    top_k: int = 16,
+    kernel_size: int = 2,
+    group_size: int = 16,
+    seed: int = 0,
+) -> DFlashDrafter:
+    """A DFlash 1 drafter grown into a DFlash 2 one that drafts exactly as it did at step 0:
+    identity convolutions, and a selector whose hidden projection is zero, so every pairwise
+    score is 0 and the chain is the argmax of the logits. Training then moves them (the
+    codebooks start random so that their gradient is not zero once the projection moves)."""
+    if drafter.cfg.kind == "dflash2":
+        raise DFlashError("The drafter to start from is DFlash 2 already.")
+    cfg = dataclasses.replace(
+        drafter.cfg,
+        conv_kernel_size=kernel_size,
+        conv_group_size=group_size,
+        selector_rank=rank,
+        selector_top_k=top_k,
+    )
+    if cfg.hidden_size % group_size:
+        raise DFlashError(
+            f"The drafter's hidden size {cfg.hidden_size} is not a multiple of the "
+            f"convolution group size {group_size}."
+        )
+    grown = init_drafter(cfg, seed=seed)
+    grown.load_weights(list(nn.utils.tree_flatten(drafter.parameters())), strict=False)
+    sel = grown.candidate_selector
+    sel.hidden_projection.weight = mx.zeros_like(sel.hidden_projection.weight)
+    mx.eval(grown.parameters())
+    grown.draft_vocab = drafter.draft_vocab
+    return grown
 
 
 def reshape_drafter(

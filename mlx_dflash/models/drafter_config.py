@@ -137,6 +137,23 @@ class DrafterConfig:
         """ "dflash2" or "dflash": which drafter generation this is (doctor and --json say)."""
         return "dflash2" if self.selector_top_k else "dflash"
 
+    def describe(self) -> dict[str, Any]:
+        """What runs, for `doctor` and `--json`: the drafter generation and its shape."""
+        out: dict[str, Any] = {
+            "kind": self.kind,
+            "architecture": DRAFTER2_ARCHITECTURE
+            if self.kind == "dflash2"
+            else DRAFTER_ARCHITECTURE,
+            "layers": self.num_hidden_layers,
+            "block_size": self.block_size,
+            "taps": list(self.target_layer_ids),
+            "sliding_window": self.sliding_window,
+        }
+        if self.kind == "dflash2":
+            out["selector"] = {"top_k": self.selector_top_k, "rank": self.selector_rank}
+            out["conv"] = {"kernel": self.conv_kernel_size, "group": self.conv_group_size}
+        return out
+
     @property
     def num_taps(self) -> int:
         return len(self.target_layer_ids)

@@ -134,16 +134,37 @@ def drafter_blocks(
     offsets = anchors.reshape(-1)
     for i, layer in enumerate(drafter.layers):
         a = layer.self_attn
-        x = layer.input_layernorm(h)
+        conv = getattr(layer, "attention_conv", None)  # DFlash 2
+        x, d = _prepare(conv, layer.input_layernorm(h), m, bs)
         q = a.rope(_per_block(_heads(x, a.q_proj, a.q_norm, a.n_heads), m, bs), offset=offsets)
         bk = a.rope(_per_block(_heads(x, a.k_proj, a.k_norm, a.n_kv_heads), m, bs), offset=offsets)
         bv = _per_block(_heads(x, a.v_proj, None, a.n_kv_heads), m, bs)
         ck = a.rope(_heads(c, a.k_proj, a.k_norm, a.n_kv_heads), offset=0)
         cv = _heads(c, a.v_proj, None, a.n_kv_heads)
         key = (cfg.layer_is_causal(i), cfg.layer_window(i))
-        h = h + a.o_proj(block_attention(a, q, ck, cv, bk, bv, masks[key]))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = h + _finish(conv, a.o_proj(block_attention(a, q, ck, cv, bk, bv, masks[key])), d)
+        conv = getattr(layer, "mlp_conv", None)
+        x, d = _prepare(conv, layer.post_attention_layernorm(h), m, bs)
+        h = h + _finish(conv, layer.mlp(x), d)
     return drafter.norm(h).reshape(B, m, bs, -1)
+
+
+def _prepare(conv, x: mx.array, m: int, bs: int):
+    """A DFlash 2 layer's convolution before its sublayer, over each block's own positions
+    (B, m*bs, H); without a convolution (DFlash 1) x as is."""
+    if conv is None:
+        return x, None
+    B = x.shape[0]
+    y, d = conv.prepare(x.reshape(B * m, bs, -1))
+    return y.reshape(x.shape), (d, m, bs)
+
+
+def _finish(conv, y: mx.array, d):
+    if conv is None:
+        return y
+    coeffs, m, bs = d
+    B = y.shape[0]
+    return conv.finish(y.reshape(B * m, bs, -1), coeffs).reshape(y.shape)
 
 
 def slot_weights(bs: int, gamma: float) -> mx.array:
@@ -181,9 +202,45 @@ def block_loss(drafter, target, batch: dict, gamma: float, kl_weight: float = 0.
     ce = nn.losses.cross_entropy(logits, labels)
     if kl_weight > 0 and "soft_ids" in batch:
         ce = _with_soft_targets(ce, logits, batch, pos, kl_weight)
+    hits = mx.argmax(logits, axis=-1) == labels
+    if cfg.kind == "dflash2":
+        prev = mx.concatenate(
+            [mx.take_along_axis(tokens, anchors, axis=1)[..., None], _token_ids(labels, vocab)],
+            axis=-1,
+        )[..., :-1]  # each slot's predecessor: the anchor, then the true tokens (teacher forcing)
+        sel_ce, hits = selector_loss(drafter.candidate_selector, h[:, :, 1:], logits, labels,
+                                     prev, vocab)  # fmt: skip
+        ce = ce + sel_ce
     loss = (ce * w).sum() / mx.maximum(w.sum(), 1.0)
-    hits = (mx.argmax(logits, axis=-1) == labels).astype(mx.float32) * valid
+    hits = hits.astype(mx.float32) * valid
     return loss, (mx.stop_gradient(hits), valid)
+
+
+def _token_ids(idx: mx.array, vocab: mx.array | None) -> mx.array:
+    """Token ids of indices into the loss vocabulary (the indices themselves without one)."""
+    return idx if vocab is None else vocab[idx]
+
+
+def selector_loss(selector, h, logits, labels, prev, vocab=None):
+    """DFlash 2's candidate selector, teacher-forced: per slot, cross-entropy of the true token
+    among the top-k candidates of the (detached) logits, scored as at inference (unary logit +
+    <P[prev], g, S[c]>) with the true predecessor. Where the truth is not a candidate it
+    replaces one, so every slot teaches the pairwise term. Returns (loss per slot, and whether
+    the selector's pick is the truth: what the greedy chain would accept)."""
+    k = selector.top_k
+    cand = mx.argpartition(mx.stop_gradient(logits), -k, axis=-1)[..., -k:]
+    present = (cand == labels[..., None]).any(axis=-1, keepdims=True)
+    last = mx.where(present, cand[..., -1:], labels[..., None])
+    cand = mx.concatenate([cand[..., :-1], last], axis=-1)
+    unary = mx.take_along_axis(logits, cand, axis=-1)
+    g = selector.hidden_projection(h)  # (..., r)
+    pred = selector.predecessor_codebook(prev)
+    succ = selector.successor_codebook(_token_ids(cand, vocab))  # (..., k, r)
+    scores = unary + ((pred * g)[..., None, :] * succ).sum(axis=-1)
+    truth = mx.argmax(cand == labels[..., None], axis=-1)
+    ce = nn.losses.cross_entropy(scores, truth)
+    hits = mx.argmax(scores, axis=-1) == truth
+    return ce, hits & present[..., 0]
 
 
 def _with_soft_targets(ce, logits, batch, pos, kl_weight: float):
