@@ -209,17 +209,13 @@ def train_command(
 ) -> None:
     """Train a DFlash drafter for a target on prompts answered by the target itself."""
     a = SimpleNamespace(**locals())  # what the command was told, for the steps below
-    if arch not in (None, "dflash", "dflash2"):
-        raise DFlashError(f"--arch must be dflash or dflash2, not '{arch}'.")
+    _check_flags(a)
     target = load_training_target(model, dequantize)
     prompts = prepare_prompts(target, data, out, num_prompts, seed, story_words)
     if eval_prompts >= len(prompts):
         raise DFlashError(f"Only {len(prompts)} prompts: fewer than --eval-prompts + 1.")
     train_prompts = prompts[: len(prompts) - eval_prompts]
     held_out = prompts[len(prompts) - eval_prompts :]
-    for path in answers:
-        if not path.is_file():
-            raise DFlashError(f"--answers {path}: no such file.")
     sets = {name: [encode(target.tokenizer, p) for p in ps] for name, ps in _eval_sets(eval_set)}
     # The drafter comes first: its tapped layers are what answering keeps for training.
     drafter, opt_state, step, fresh, seen = _starting_drafter(target, a)
@@ -246,6 +242,15 @@ def train_command(
             f"over {len(held_out)} held-out prompts"
         )
     typer.echo(f"Trained {trainer.step} steps in {time.perf_counter() - t0:.0f}s; wrote {out}")
+
+
+def _check_flags(a: SimpleNamespace) -> None:
+    """Refuse what needs no target to refuse, before the (slow) target loads."""
+    if a.arch not in (None, "dflash", "dflash2"):
+        raise DFlashError(f"--arch must be dflash or dflash2, not '{a.arch}'.")
+    for path in a.answers:
+        if not path.is_file():
+            raise DFlashError(f"--answers {path}: no such file.")
 
 
 def _answer_prompts(target, drafter, prompts: list[str], a: SimpleNamespace) -> Path:

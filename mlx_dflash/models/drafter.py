@@ -388,7 +388,8 @@ def to_dflash2(
             f"convolution group size {group_size}."
         )
     grown = init_drafter(cfg, seed=seed)
-    grown.load_weights(list(nn.utils.tree_flatten(drafter.parameters())), strict=False)
+    old = cast(list[tuple[str, mx.array]], nn.utils.tree_flatten(drafter.parameters()))
+    grown.load_weights(old, strict=False)
     sel = grown.candidate_selector
     sel.hidden_projection.weight = mx.zeros_like(sel.hidden_projection.weight)
     mx.eval(grown.parameters())
