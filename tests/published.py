@@ -258,6 +258,55 @@ QWEN3_5_35B_A3B = _qwen3_5_wrapper(
 )
 QWEN3_5_35B_A3B["vision_config"]["model_type"] = "qwen3_5_moe"
 
+# Qwen3.8-27B: no verbatim copy was found; this is the text_config of a verbatim community
+# quant's config (SOURCES.md, "Targets of DFlash2"), on the wrapper of the Qwen3.5 exports.
+_qwen3_8_text = _qwen3_5_text(5120, 64, 24, 4, 17408, 48, tie=False)
+_qwen3_8_text["output_gate_type"] = "swish"
+_qwen3_8_text["rope_parameters"] = {
+    "mrope_interleaved": True,
+    "mrope_section": [11, 11, 10],
+    "partial_rotary_factor": 0.25,
+    "rope_theta": 10000000,
+    "rope_type": "default",
+}
+QWEN3_8_27B = _qwen3_5_wrapper("qwen3_5", "Qwen3_5ForConditionalGeneration", _qwen3_8_text)
+QWEN3_8_27B["transformers_version"] = "5.15.0"
+
+# Muse-Glimmer-30B: the fields SOURCES.md lists ("Targets of DFlash2"; no complete published
+# copy was found), in the nested layout mlx-lm's muse_glimmer reads; token ids from the
+# verbatim assistant config beside it.
+MUSE_GLIMMER_30B = {
+    "architectures": ["MuseGlimmerForConditionalGeneration"],
+    "model_type": "muse_glimmer",
+    "text_config": {
+        "model_type": "muse_glimmer_text",
+        "hidden_size": 6656,
+        "num_hidden_layers": 52,
+        "intermediate_size": 19968,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "vocab_size": 202048,
+        "rms_norm_eps": 1e-05,
+        "post_norm_eps": 1e-08,
+        "sliding_window": 2048,
+        "layer_types": (["sliding_attention"] * 3 + ["full_attention"]) * 13,
+        "layer_rope_theta": ([500000.0] * 3 + [0.0]) * 13,
+        "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
+        "qk_scale_factor": 3.87,
+        "output_multiplier": 0.19611613513818404,
+        "final_logit_softcapping": 20.0,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+        "bos_token_id": 200000,
+        "eos_token_id": 200001,
+        "pad_token_id": 200018,
+    },
+    "vision_config": {"depth": 50, "hidden_size": 1536},
+    "tie_word_embeddings": False,
+}
+MUSE_WINDOW = 10  # the shrunk sliding_window (2048 published): the tests decode past it
+
 TARGETS: dict[str, dict[str, Any]] = {
     "Qwen/Qwen3-4B": QWEN3_4B,
     "Qwen/Qwen3-8B": QWEN3_8B,
@@ -267,6 +316,8 @@ TARGETS: dict[str, dict[str, Any]] = {
     "Qwen/Qwen3.5-9B": QWEN3_5_9B,
     "Qwen/Qwen3.5-27B": QWEN3_5_27B,
     "Qwen/Qwen3.5-35B-A3B": QWEN3_5_35B_A3B,
+    "Qwen/Qwen3.8-27B": QWEN3_8_27B,
+    "meta-models/Muse-Glimmer-30B": MUSE_GLIMMER_30B,
 }
 
 
@@ -371,7 +422,11 @@ def _shrink_text(t: dict[str, Any], layers: int) -> dict[str, Any]:
     t["num_hidden_layers"] = layers
     if t.get("shared_expert_intermediate_size"):
         t["shared_expert_intermediate_size"] = 64
-    if "layer_types" in t:
+    if t.get("model_type") == "muse_glimmer_text":  # 3 sliding layers to 1 global NoPE one
+        t["layer_types"] = t["layer_types"][:layers]
+        t["layer_rope_theta"] = t["layer_rope_theta"][:layers]
+        t["sliding_window"] = MUSE_WINDOW
+    elif "layer_types" in t:
         t["layer_types"] = _hybrid_layer_types(layers, t.get("full_attention_interval", 4))
     rope = t.get("rope_parameters")
     if rope and "mrope_section" in rope:  # halves of the rotary dims: 16 * 0.25 / 2 = 2
@@ -391,8 +446,11 @@ def shrink(cfg: dict[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(cfg)
     out["text_config"] = _shrink_text(cfg["text_config"], layers)
     vision = out["vision_config"]
-    vision.update(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
-    vision["num_position_embeddings"] = 16
+    if cfg["model_type"] == "muse_glimmer":
+        vision.update(depth=1, hidden_size=32)
+    else:
+        vision.update(depth=1, hidden_size=32, intermediate_size=64, num_heads=2)
+        vision.update(out_hidden_size=64, num_position_embeddings=16)
     for key in list(out):
         if key.endswith("_token_id"):
             out[key] = _shrink_ids(key, out[key])
@@ -494,6 +552,16 @@ def _hf_qwen3_5(weights: dict[str, mx.array], text_only: bool, moe: bool) -> dic
     return out
 
 
+def _hf_muse_glimmer(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """mlx-lm's Muse Glimmer parameters under Meta's nesting, with a vision tensor to drop."""
+    out = {
+        ("model.language_model." + k.removeprefix("model.") if k.startswith("model.") else k): v
+        for k, v in weights.items()
+    }
+    out["vision_tower.blocks.0.attn.qkv.weight"] = mx.random.normal((96, 32))
+    return out
+
+
 def write_published(path: str | Path, target_id: str, layout: str, seed: int = 0) -> Path:
     """A shrunk copy of `target_id` in `layout` (see the module docstring) at `path`."""
     if layout not in LAYOUTS:
@@ -501,14 +569,16 @@ def write_published(path: str | Path, target_id: str, layout: str, seed: int = 0
     path = Path(path)
     cfg = shrink(TARGETS[target_id])
     hybrid = "text_config" in cfg
-    if layout in HYBRID_ONLY and not hybrid:
+    if layout in HYBRID_ONLY and not cfg["model_type"].startswith("qwen3_5"):
         raise ValueError(f"{layout} exists only for Qwen3.5 targets")
     if layout.startswith("mlx-"):
         hf = write_published(path.parent / f".{path.name}-hf", target_id, "hf", seed)
         return _mlx_conversion(hf, path, layout, cfg)
     model = _random_model(cfg, seed)
     weights = dict(tree_flatten(model.parameters()))
-    if hybrid:
+    if cfg["model_type"] == "muse_glimmer":
+        weights = _hf_muse_glimmer(weights)
+    elif hybrid:
         weights = _hf_qwen3_5(weights, layout == "hf-text", "num_experts" in cfg["text_config"])
         if layout == "hf-text":
             cfg = {
@@ -564,9 +634,15 @@ def _mlx_conversion(hf: Path, path: Path, layout: str, cfg: dict[str, Any]) -> P
 
 def write_published_drafter(path: str | Path, target_id: str, seed: int = 1) -> Path:
     """The z-lab drafter for `target_id`, shrunk to fit `shrink(TARGETS[target_id])`."""
+    from mlx_dflash.checkpoints.registry import DRAFTERS
     from mlx_dflash.models.tiny import write_drafter_checkpoint
 
-    cfg = shrink_drafter(drafter_config(target_id), shrink(TARGETS[target_id]))
+    small = shrink(TARGETS[target_id])
+    if DRAFTERS[target_id] in DFLASH2_DRAFTERS:
+        return write_dflash2_drafter(
+            path, shrink_dflash2(dflash2_config(DRAFTERS[target_id]), small), seed
+        )
+    cfg = shrink_drafter(drafter_config(target_id), small)
     return write_drafter_checkpoint(path, cfg, seed=seed)
 
 
@@ -574,11 +650,9 @@ def write_published_drafter(path: str | Path, target_id: str, seed: int = 1) -> 
 # DFlash 2 drafters: the verbatim published configs in ../shared/data/configs (see SOURCES.md)
 
 DFLASH2_DRAFTERS = {
-    # drafter -> the registry target whose shrunk fixture it drafts for in tests. Qwen3.8-27B is
-    # Qwen3.5-27B's layout (64 layers, hidden 5120) plus a gate type of its own (issue 29 item 5);
-    # Muse-Glimmer's drafter goes with a dense target of the same kind until muse_glimmer lands.
-    "z-lab/Qwen3.8-27B-DFlash2": "Qwen/Qwen3.5-27B",
-    "z-lab/Muse-Glimmer-30B-DFlash2": "Qwen/Qwen3-8B",
+    # drafter -> the registry target whose shrunk fixture it drafts for in tests
+    "z-lab/Qwen3.8-27B-DFlash2": "Qwen/Qwen3.8-27B",
+    "z-lab/Muse-Glimmer-30B-DFlash2": "meta-models/Muse-Glimmer-30B",
 }
 DFLASH2_WINDOW = 12  # the shrunk sliding_window (2048 published): tests run past it
 

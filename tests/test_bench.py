@@ -195,3 +195,23 @@ def test_bench_profile_splits_rounds(pair, data_dir, tmp_path):
         # Python graph building is part of drafting and verifying, never more.
         assert 0 < row["time_build_s"] < row["time_draft_s"] + row["time_verify_s"]
     assert "Round profile" in r.stdout and "plain steps" in r.stdout
+
+
+def test_every_method_runs_a_dflash2_drafter(data_dir, tmp_path):
+    """bench with a DFlash 2 drafter (Qwen3.8's published config, shrunk to a tiny target):
+    every drafting method, lookup grafted on too, token-identical to mlx-lm."""
+    from published import dflash2_config, shrink_dflash2, write_dflash2_drafter
+
+    target = write_tiny_target(tmp_path / "target", "llama")
+    cfg = json.loads((target / "config.json").read_text())
+    dcfg = shrink_dflash2(dflash2_config("z-lab/Qwen3.8-27B-DFlash2"), cfg)
+    drafter = write_dflash2_drafter(tmp_path / "drafter", dcfg)
+    out = tmp_path / "b.json"
+    methods = "mlx-lm,dflash,ddtree:4,ddtree:16,ddtree:auto,ddtree+lookup:auto"
+    args = bench_args((str(target), str(drafter)), out) + ["--methods", methods, "--no-plot"]
+    r = CliRunner().invoke(app, [*args, "--data-dir", str(data_dir), "--dataset", "gsm8k"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(out.read_text())
+    assert res["drafter_kind"]["kind"] == "dflash2"
+    assert res["identical"]["identical"] and res["identical"]["comparisons"] == 2 * 5
+    assert [row["method"] for row in res["results"]] == methods.split(",")

@@ -34,11 +34,13 @@ from mlx_dflash.models.target import model_classes
 
 PROMPT = list(range(3, 43))
 N = 40
+# Qwen3.8 has Qwen3.5-27B's layouts (tested there); Muse Glimmer has no text-only export.
+LAYOUTS_OF = {"Qwen/Qwen3.8-27B": ("hf",), "meta-models/Muse-Glimmer-30B": ("hf", "mlx-lm-4bit")}
 CASES = [
     (tid, layout)
     for tid in TARGETS
-    for layout in LAYOUTS
-    if layout not in HYBRID_ONLY or "text_config" in TARGETS[tid]
+    for layout in LAYOUTS_OF.get(tid, LAYOUTS)
+    if layout not in HYBRID_ONLY or TARGETS[tid]["model_type"].startswith("qwen3_5")
 ]
 
 
@@ -144,3 +146,20 @@ def test_fixture_keeps_every_published_field(target_id):
     if "text_config" in pub:
         assert set(small["text_config"]) == set(pub["text_config"])
         assert set(small["vision_config"]) == set(pub["vision_config"])
+
+
+@pytest.mark.parametrize("gate", ["sigmoid", "gelu"])
+def test_an_output_gate_type_we_cannot_compute_is_refused(gate, tmp_path):
+    """Qwen3.8's "swish" names the SiLU gate mlx-lm computes (decoded exactly above); any other
+    value would still run and only show in the tokens, so it ends in one sentence instead."""
+    from mlx_dflash.errors import DFlashError
+    from mlx_dflash.models.target import load_target
+
+    folder = write_published(tmp_path / "Qwen3.8-27B", "Qwen/Qwen3.8-27B", "hf")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["text_config"]["output_gate_type"] = gate
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DFlashError) as err:
+        load_target(folder)
+    assert f"output_gate_type '{gate}' is not supported" in str(err.value)
+    assert "\n" not in str(err.value)

@@ -255,6 +255,7 @@ def run_bench(
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "model": model or "stories260K (embedded)",
         "drafter": drafter,
+        "drafter_kind": runner.cfg.describe() if runner is not None else None,
         "settings": {
             **asked,
             "methods": [m.label for m in meths],

@@ -23,6 +23,9 @@ DRAFTERS: dict[str, str] = {
     "Qwen/Qwen3.5-9B": "z-lab/Qwen3.5-9B-DFlash",
     "Qwen/Qwen3.5-27B": "z-lab/Qwen3.5-27B-DFlash",
     "Qwen/Qwen3.5-35B-A3B": "z-lab/Qwen3.5-35B-A3B-DFlash",
+    # DFlash 2 drafters (models/dflash2.py): a candidate selector over the block.
+    "Qwen/Qwen3.8-27B": "z-lab/Qwen3.8-27B-DFlash2",
+    "meta-models/Muse-Glimmer-30B": "z-lab/Muse-Glimmer-30B-DFlash2",
     # About a trillion parameters: several Macs (mlx.launch, README "Several Macs").
     "moonshotai/Kimi-K2.5": "z-lab/Kimi-K2.5-DFlash",
 }

@@ -229,7 +229,7 @@ class DrafterRunner:
         assert start == self.context_len, "drafter context out of sync with the target"
         cfg = self.cfg
         block = mx.array([last_token] + [cfg.mask_token_id] * (self.block_size - 1))
-        emb = self.target.embed(block)
+        emb = self.target.token_embeddings(block)
         if cfg.input_embedding_scale is not None:
             emb = emb * cfg.input_embedding_scale
         return self.drafter(emb, self.cache, start)[1 : n + 1]

@@ -9,6 +9,7 @@ rope, MLP/MoE) from one loop here; what differs per architecture is declared in 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,20 +26,41 @@ from .cache import KVCache
 from .gated_deltanet import RecurrentCache, gdn_forward
 from .mla import is_mla, mla_attention
 
-ARCHITECTURES: dict[str, AttentionSpec] = {
-    "llama": AttentionSpec(),
-    "mistral": AttentionSpec(),
-    "qwen2": AttentionSpec(),
-    "qwen3": AttentionSpec(qk_norm=True),
-    "qwen3_moe": AttentionSpec(qk_norm=True),
+
+@dataclass(frozen=True)
+class Family:
+    """What an architecture does differently: in attention, and around the layer stack."""
+
+    attention: AttentionSpec = AttentionSpec()
+    # Muse Glimmer: a norm after attention and after the MLP too ("sandwich"), a weightless
+    # RMSNorm on the token embeddings, and logits times output_multiplier, then soft-capped.
+    sandwich_norms: bool = False
+    embedding_norm: bool = False
+    logit_softcap: bool = False
+
+
+_GATED = Family(AttentionSpec(qk_norm=True, gated=True))
+ARCHITECTURES: dict[str, Family] = {
+    "llama": Family(),
+    "mistral": Family(),
+    "qwen2": Family(),
+    "qwen3": Family(AttentionSpec(qk_norm=True)),
+    "qwen3_moe": Family(AttentionSpec(qk_norm=True)),
     # Hybrid: 3 of 4 layers are Gated DeltaNet (models/gated_deltanet.py); partial RoPE comes
-    # with the rope module mlx-lm builds.
-    "qwen3_5": AttentionSpec(qk_norm=True, gated=True),
-    "qwen3_5_moe": AttentionSpec(qk_norm=True, gated=True),
-    "qwen3_next": AttentionSpec(qk_norm=True, gated=True),
+    # with the rope module mlx-lm builds. Qwen3.8 is qwen3_5 (see _check_gate_type).
+    "qwen3_5": _GATED,
+    "qwen3_5_moe": _GATED,
+    "qwen3_next": _GATED,
     # Multi-head latent attention (models/mla.py) and DeepSeek MoE; Kimi-K2.5 wraps it.
-    "deepseek_v3": AttentionSpec(),
-    "kimi_k25": AttentionSpec(),
+    "deepseek_v3": Family(),
+    "kimi_k25": Family(),
+    # Three sliding-window layers to one global NoPE layer; everything else as described above.
+    "muse_glimmer": Family(
+        AttentionSpec(scaleless_qk=True, gate_proj=True),
+        sandwich_norms=True,
+        embedding_norm=True,
+        logit_softcap=True,
+    ),
 }
 # Text-only exports of the multimodal Qwen3.5 / 3.6 checkpoints name their language model's own
 # type; mlx-lm builds both layouts from the wrapper's module (its ModelArgs accepts a flat config).
@@ -46,6 +68,7 @@ TEXT_MODEL_TYPES = {
     "qwen3_5_text": "qwen3_5",
     "qwen3_5_moe_text": "qwen3_5_moe",
     "kimi_k2": "deepseek_v3",  # Kimi-K2's (and Kimi-K2.5's text_config's) own type
+    "muse_glimmer_text": "muse_glimmer",
 }
 
 
@@ -64,10 +87,30 @@ def architecture(config: dict) -> str:
     for name in filter(None, names):
         name = TEXT_MODEL_TYPES.get(name, name)
         if name in ARCHITECTURES:
+            _check_gate_type(text_config(config))
             return name
     shown = next((n for n in names if n), "unknown")
     supported = ", ".join(sorted(ARCHITECTURES))
     raise DFlashError(f"Target architecture '{shown}' is not supported (supported: {supported}).")
+
+
+# `output_gate_type` (Qwen3.8 writes "swish"; Qwen3.5 omits it) names the activation of the
+# Gated DeltaNet layers' gated output norm, in flash-linear-attention's spelling (its
+# FusedRMSNormGated takes activation="swish" | "silu" | "sigmoid"). Swish is SiLU, which is what
+# mlx-lm's qwen3_5 / qwen3_next norm already computes, so these load unchanged. The gate of the
+# full-attention layers stays sigmoid in the reference code whatever the field says. A value
+# we have no computation for (sigmoid included: mlx-lm's module, our baseline, cannot run it)
+# is refused, since a wrong gate still runs and only the tokens show it.
+SILU_GATE_TYPES = (None, "swish", "silu")
+
+
+def _check_gate_type(text: dict) -> None:
+    gate = text.get("output_gate_type")
+    if gate not in SILU_GATE_TYPES:
+        raise DFlashError(
+            f"output_gate_type '{gate}' is not supported: only the swish (SiLU) gate of "
+            "Qwen3.5 and Qwen3.8 is."
+        )
 
 
 def model_classes(config: dict):
@@ -87,7 +130,9 @@ class Target:
         self.config = config
         self.text_config = text_config(config)
         self.model_type = architecture(config)
-        self.spec = ARCHITECTURES[self.model_type]
+        self.family = ARCHITECTURES[self.model_type]
+        # Sliding-window layers (Muse Glimmer's) see the newest `window` positions only.
+        self.window = int(self.text_config.get("sliding_window") or 0) or None
         self.inner = model.model
         self.layers = self.inner.layers
         self.num_layers = len(self.layers)
@@ -112,6 +157,15 @@ class Target:
         return [RecurrentCache() if _is_linear(layer) else KVCache() for layer in self.layers]
 
     def embed(self, tokens: mx.array) -> mx.array:
+        """The first layer's input: the token embeddings and what the family does to them."""
+        h = self.inner.embed_tokens(tokens)
+        if self.family.embedding_norm:
+            h = mx.fast.rms_norm(h, None, self.inner.embed_eps)
+        return h
+
+    def token_embeddings(self, tokens: mx.array) -> mx.array:
+        """The embedding table's rows, as a drafter reads them (z-lab's drafters take the
+        target's table, not its input transform: Muse Glimmer's embedding norm stays out)."""
         return self.inner.embed_tokens(tokens)
 
     def _untied_head(self):
@@ -195,7 +249,17 @@ class Target:
             return None
         if logits == "last":
             h = h[:, -1:]
-        return self.lm_head(self.inner.norm(h))[0]
+        return self.output_logits(self.inner.norm(h))[0]
+
+    def output_logits(self, h: mx.array) -> mx.array:
+        """The target's logits of final-normed hidden states: its LM head and, for Muse
+        Glimmer, the output multiplier then the soft cap (mlx-lm's order)."""
+        logits = self.lm_head(h)
+        if self.family.logit_softcap:
+            args = self.model.args
+            cap = args.final_logit_softcapping
+            logits = mx.tanh(logits * args.output_multiplier / cap) * cap
+        return logits
 
     def run_layers(
         self, h, layers, cache, start, tree, tap_set, rewindable
@@ -213,9 +277,18 @@ class Target:
             elif is_mla(layer.self_attn):
                 r = mla_attention(layer.self_attn, x, c, start, positions, parents, masks)
             else:
-                r = attention(layer.self_attn, self.spec, x, c, start, positions, parents, masks)
-            h = h + r
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+                attn = layer.self_attn
+                window = self.window if getattr(attn, "is_sliding", False) else None
+                spec = self.family.attention
+                r = attention(attn, spec, x, c, start, positions, parents, masks, window)
+            if self.family.sandwich_norms:
+                h = h + layer.post_attention_layernorm(r)
+                h = h + layer.post_feedforward_layernorm(
+                    layer.mlp(layer.pre_feedforward_layernorm(h))
+                )
+            else:
+                h = h + r
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
             if i in tap_set:
                 tapped[i] = h[0]
         return h, tapped

@@ -110,7 +110,7 @@ def cache_all_taps(
                     key, lo = record_key(recs[i]), recs[i]["prompt_len"]
                     # Position p's distribution is that of token p + 1.
                     top, logp = top_logprobs(
-                        target.lm_head(h[j, lo - 1 : len(seqs[j]) - 1]), SOFT_TOP_K
+                        target.output_logits(h[j, lo - 1 : len(seqs[j]) - 1]), SOFT_TOP_K
                     )
                     arrays[key + SOFT_IDS], arrays[key + SOFT_LOGP] = top, logp.astype(mx.float16)
             else:

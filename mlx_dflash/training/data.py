@@ -135,7 +135,7 @@ class TapRecorder:
             if i in self.keep:
                 tapped[i] = h
         taps = mx.concatenate([tapped[i] for i in self.tap_ids], axis=-1).astype(mx.float16)
-        logits = target.lm_head(target.inner.norm(h[:, -1:]))
+        logits = target.output_logits(target.inner.norm(h[:, -1:]))
         # The distribution the next answer token is drawn from, as its top_k log-probabilities:
         # soft targets for distillation, free here, a full forward pass later.
         top, top_logp = top_logprobs(logits[:, 0], self.top_k)

@@ -126,7 +126,7 @@ def drafter_blocks(
     m, bs = anchors.shape[1], cfg.block_size
     first = mx.take_along_axis(tokens, anchors, axis=1)  # (B, m)
     block = mx.where(mx.arange(bs) == 0, first[..., None], cfg.mask_token_id)
-    h = target.embed(block).reshape(B, m * bs, -1)
+    h = target.token_embeddings(block).reshape(B, m * bs, -1)
     if cfg.input_embedding_scale is not None:
         h = h * cfg.input_embedding_scale
     c = drafter.hidden_norm(drafter.fc(taps))
