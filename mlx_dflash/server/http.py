@@ -26,6 +26,7 @@ from ..prompts import has_template, render, stop_ids
 from . import protocol as P
 from .sessions import SessionPool
 from .text import prompt_opens_thinking, thinking_tags
+from .tools import forced_prefix
 from .worker import Done, Job, Worker, job_config
 
 MAX_BODY = 16 * 2**20
@@ -74,7 +75,7 @@ class App:
     def prepare(self, req: P.Request) -> Job:
         """Prompt ids, settings and stop strings for a checked request."""
         self.check_model(req.model)
-        thinking = None
+        thinking, inside = None, None
         if req.kind == "completion":
             if not req.prompt.strip():
                 raise P.APIError(400, "The prompt is empty.", param="prompt")
@@ -84,15 +85,11 @@ class App:
             if self.config.thinking is not None:
                 kwargs["enable_thinking"] = self.config.thinking
             kwargs.update(req.template_kwargs)
-            if not any(m["content"].strip() for m in req.messages) and not req.system:
+            if not any(m["content"].strip() or m.get("tool_calls") for m in req.messages) and (
+                not req.system
+            ):
                 raise P.APIError(400, "The messages are empty.", param="messages")
-            try:
-                ids = render(self.tokenizer, req.messages, req.system, self.templated, **kwargs)
-            except Exception as e:  # a template that rejects these messages (roles, order)
-                raise P.APIError(400, f"The chat template rejected the messages: {e}") from None
-            if self.tags is not None:
-                tail = self.tokenizer.decode(ids[-16:])
-                thinking = prompt_opens_thinking(tail, self.tags)
+            ids, thinking, inside = self._render_chat(req, kwargs)
         if self.context is not None and len(ids) >= self.context:
             raise P.APIError(
                 400,
@@ -120,7 +117,51 @@ class App:
             s.top_k if req.top_k is None else int(req.top_k),
         )
         cfg = job_config(self.base, max_tokens=max_tokens, sampling=sampling, seed=req.seed)
-        return Job(ids, cfg, req.stop, thinking, self.tags or ("<think>", "</think>"))
+        tags = self.tags or ("<think>", "</think>")
+        tools = req.tools if req.kind != "completion" else None
+        return Job(ids, cfg, req.stop, thinking, tags, tools, inside if tools else None)
+
+    def _render_chat(
+        self, req: P.Request, kwargs: dict
+    ) -> tuple[list[int], bool | None, str | None]:
+        """Prompt ids through the chat template (with the request's tools), whether the answer
+        starts inside a thinking block, and what a forced tool_choice wrote after the call's
+        start marker (the answer continues that call)."""
+        tools, prefix = req.tools, ""
+        if tools is not None:
+            if not getattr(self.tokenizer, "has_tool_calling", False):
+                raise P.APIError(
+                    400,
+                    "This model's chat template has no tool-call support, so it cannot take "
+                    "'tools'.",
+                    param="tools",
+                )
+            if tools.choice != "none":
+                kwargs["tools"] = tools.specs
+                prefix = forced_prefix(self.tokenizer, tools)
+        ids, thinking = self._template(req, kwargs)
+        if prefix and thinking:  # a forced call skips thinking (the template's own switch)
+            ids, thinking = self._template(req, {**kwargs, "enable_thinking": False})
+            if thinking:
+                raise P.APIError(
+                    400,
+                    "This model thinks before it answers, so its tool call cannot be forced; "
+                    "use tool_choice 'auto'.",
+                    param="tool_choice",
+                )
+        if prefix:
+            ids = ids + list(self.tokenizer.encode(prefix, add_special_tokens=False))
+        return ids, thinking, prefix[len(self.tokenizer.tool_call_start) :] if prefix else None
+
+    def _template(self, req: P.Request, kwargs: dict) -> tuple[list[int], bool | None]:
+        try:
+            ids = render(self.tokenizer, req.messages, req.system, self.templated, **kwargs)
+        except Exception as e:  # a template that rejects these messages (roles, order)
+            raise P.APIError(400, f"The chat template rejected the messages: {e}") from None
+        thinking = None
+        if self.tags is not None:
+            thinking = prompt_opens_thinking(self.tokenizer.decode(ids[-16:]), self.tags)
+        return ids, thinking
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -282,20 +323,22 @@ class Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError):
             job.cancel()
 
-    def _collect(self, job: Job) -> tuple[str, str, Done | None, str | None]:
-        content, reasoning, done, error = [], [], None, None
+    def _collect(self, job: Job) -> tuple[str, str, list[dict], Done | None, str | None]:
+        content, reasoning, calls, done, error = [], [], [], None, None
         for ev in self._events(job):
             if ev[0] == "text":
                 reasoning.append(ev[1] or "")
                 content.append(ev[2] or "")
+            elif ev[0] == "tool":
+                calls += ev[1]
             elif ev[0] == "done":
                 done = ev[1]
             else:
                 error = ev[1]
-        return "".join(content), "".join(reasoning), done, error
+        return "".join(content), "".join(reasoning), calls, done, error
 
     def _answer(self, req: P.Request, job: Job) -> None:
-        content, reasoning, done, error = self._collect(job)
+        content, reasoning, calls, done, error = self._collect(job)
         if error is not None:
             return self._error(P.APIError(500, error, "server_error"))
         if done is None:  # the client left
@@ -305,7 +348,7 @@ class Handler(BaseHTTPRequestHandler):
         if req.kind == "chat":
             thinking = reasoning if job.thinking is not None else None
             body = P.chat_response(
-                P.new_id("chatcmpl"), name, content, thinking, done.finish, use, done.stats
+                P.new_id("chatcmpl"), name, content, thinking, done.finish, use, done.stats, calls
             )
         else:
             body = P.completion_response(
@@ -319,6 +362,7 @@ class Handler(BaseHTTPRequestHandler):
         self._start_sse()
         if chat:
             self._sse(P.chat_chunk(rid, name, {"role": "assistant", "content": ""}))
+        n_calls = 0
         for ev in self._events(job):
             if ev[0] == "text":
                 _, reasoning, content = ev
@@ -331,6 +375,11 @@ class Handler(BaseHTTPRequestHandler):
                     self._sse(P.chat_chunk(rid, name, delta))
                 else:
                     self._sse(P.completion_chunk(rid, name, content))
+            elif ev[0] == "tool":
+                for call in ev[1]:
+                    for delta in P.tool_call_deltas(call, n_calls):
+                        self._sse(P.chat_chunk(rid, name, {"tool_calls": [delta]}))
+                    n_calls += 1
             elif ev[0] == "error":
                 self._sse(P.APIError(500, ev[1], "server_error").body())
                 break
@@ -346,7 +395,7 @@ class Handler(BaseHTTPRequestHandler):
         self._sse("[DONE]")
 
     def _answer_messages(self, req: P.Request, job: Job) -> None:
-        content, reasoning, done, error = self._collect(job)
+        content, reasoning, calls, done, error = self._collect(job)
         if error is not None:
             return self._error(P.APIError(500, error, "api_error"))
         if done is None:
@@ -361,6 +410,7 @@ class Handler(BaseHTTPRequestHandler):
             done.stop_string,
             use,
             done.stats,
+            calls,
         )
         self._send_json(200, body)
 
@@ -372,13 +422,14 @@ class Handler(BaseHTTPRequestHandler):
         self._sse({"type": "message_start", "message": start}, "message_start")
         block, index = None, -1
 
-        def open_block(kind: str):
+        def open_block(kind: str, empty: dict | None = None):
             nonlocal block, index
             if block is not None:
                 self._sse({"type": "content_block_stop", "index": index}, "content_block_stop")
             block, index = kind, index + 1
-            empty = {"type": "thinking", "thinking": ""} if kind == "thinking" else None
-            empty = empty or {"type": "text", "text": ""}
+            if empty is None:
+                empty = {"type": "thinking", "thinking": ""} if kind == "thinking" else None
+                empty = empty or {"type": "text", "text": ""}
             self._sse(
                 {"type": "content_block_start", "index": index, "content_block": empty},
                 "content_block_start",
@@ -401,6 +452,17 @@ class Handler(BaseHTTPRequestHandler):
                         },
                         "content_block_delta",
                     )
+            elif ev[0] == "tool":
+                for call in ev[1]:
+                    fn = call["function"]
+                    open_block("tool_use", {"type": "tool_use", "id": call["id"],
+                                            "name": fn["name"], "input": {}})  # fmt: skip
+                    for piece in P.fragments(fn["arguments"]):
+                        delta = {"type": "input_json_delta", "partial_json": piece}
+                        self._sse(
+                            {"type": "content_block_delta", "index": index, "delta": delta},
+                            "content_block_delta",
+                        )
             elif ev[0] == "error":
                 self._sse(P.APIError(500, ev[1], "api_error").body(anthropic=True), "error")
                 return

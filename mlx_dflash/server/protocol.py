@@ -11,7 +11,10 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .tools import Tools
 
 MAX_STOPS = 256  # stop strings a request may list (each is searched for in every chunk)
 
@@ -53,7 +56,7 @@ class Request:
 
     kind: str  # "chat" | "completion" | "messages"
     model: str | None
-    messages: list[dict[str, str]] | None = None  # chat, messages
+    messages: list[dict[str, Any]] | None = None  # chat, messages
     prompt: str | None = None  # completion
     system: str | None = None  # messages: Anthropic puts it at the top level
     max_tokens: int | None = None
@@ -65,6 +68,7 @@ class Request:
     stream: bool = False
     include_usage: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: Tools | None = None
 
 
 def parse_json(raw: bytes) -> dict:
@@ -120,11 +124,14 @@ def _text(content: Any, where: str) -> str:
     raise APIError(400, f"{where}: 'content' must be a string or a list of text parts.")
 
 
-def _messages(body: dict) -> list[dict[str, str]]:
+def _messages(body: dict, anthropic: bool = False) -> list[dict[str, Any]]:
+    """The conversation as chat templates take it: role and content, plus the assistant's
+    `tool_calls` (arguments as objects, which templates iterate) and the tool results'
+    `tool_call_id`; Anthropic's tool_use / tool_result blocks become the same."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise APIError(400, "'messages' must be a non-empty list.", param="messages")
-    out = []
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(400, f"messages[{i}] must be an object with a 'role'.", param="messages")
@@ -133,12 +140,82 @@ def _messages(body: dict) -> list[dict[str, str]]:
             raise APIError(
                 400, f"messages[{i}] has an unknown role '{m['role']}'.", param="messages"
             )
-        out.append({"role": role, "content": _text(m.get("content"), f"messages[{i}]")})
+        where = f"messages[{i}]"
+        if anthropic and isinstance(m.get("content"), list):
+            out += _anthropic_blocks(role, m["content"], where)
+            continue
+        msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"), where)}
+        if role == "assistant" and m.get("tool_calls") is not None:
+            msg["tool_calls"] = [_call_in(c, f"{where}.tool_calls[{j}]")
+                                 for j, c in enumerate(_list(m["tool_calls"], where))]  # fmt: skip
+        if role == "tool":
+            msg["tool_call_id"] = str(m.get("tool_call_id") or "")
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        out.append(msg)
+    return out
+
+
+def _list(v: Any, where: str) -> list:
+    if not isinstance(v, list):
+        raise APIError(400, f"{where}: 'tool_calls' must be a list.", param="messages")
+    return v
+
+
+def _call_in(c: Any, where: str) -> dict:
+    """An earlier assistant tool call, its arguments parsed (templates write them out)."""
+    fn = c.get("function") if isinstance(c, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise APIError(400, f"{where} needs a 'function' with a 'name'.", param="messages")
+    args = fn.get("arguments") or {}
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise APIError(
+                400, f"{where}: 'arguments' is not valid JSON.", param="messages"
+            ) from None
+    if not isinstance(args, dict):
+        raise APIError(400, f"{where}: 'arguments' must be a JSON object.", param="messages")
+    return {
+        "id": c.get("id"),
+        "type": "function",
+        "function": {"name": fn["name"], "arguments": args},
+    }
+
+
+def _anthropic_blocks(role: str, blocks: list, where: str) -> list[dict[str, Any]]:
+    """One Anthropic message's content blocks: text (and thinking, dropped), tool_use calls
+    on the assistant's side, tool_result messages on the user's (before the user's text)."""
+    text, calls, results = [], [], []
+    for j, b in enumerate(blocks):
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind == "text":
+            text.append(str(b.get("text", "")))
+        elif kind in ("thinking", "redacted_thinking"):
+            continue
+        elif kind == "tool_use" and role == "assistant":
+            fn = {"name": b.get("name"), "arguments": b.get("input") or {}}
+            calls.append(_call_in({"id": b.get("id"), "function": fn}, f"{where}.content[{j}]"))
+        elif kind == "tool_result" and role == "user":
+            content = _text(b.get("content"), f"{where}.content[{j}]")
+            results.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id") or ""),
+                            "content": content})  # fmt: skip
+        else:
+            raise APIError(400, f"{where}: content blocks of type '{kind}' are not supported.")
+    out: list[dict[str, Any]] = list(results)
+    if text or calls or not results:
+        msg: dict[str, Any] = {"role": role, "content": "".join(text)}
+        if calls:
+            msg["tool_calls"] = calls
+        out.append(msg)
     return out
 
 
 def parse_request(kind: str, body: dict) -> Request:
     """Check a chat / completion / messages body and return what the engine needs."""
+    from .tools import parse_tools  # (tools.py raises this module's APIError)
+
     number = (int, float)
     req = Request(kind=kind, model=_get(body, "model", (str,), what="a string"))
     if kind == "completion":
@@ -149,7 +226,8 @@ def parse_request(kind: str, body: dict) -> Request:
             raise APIError(400, "'prompt' must be a string.", param="prompt")
         req.prompt = prompt
     else:
-        req.messages = _messages(body)
+        req.messages = _messages(body, anthropic=kind == "messages")
+        req.tools = parse_tools(body, anthropic=kind == "messages")
         if kind == "messages":
             system = body.get("system")
             req.system = _text(system, "system") if system is not None else None
@@ -201,14 +279,32 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
     }
 
 
-def chat_message(content: str, reasoning: str | None) -> dict:
+def chat_message(content: str, reasoning: str | None, calls: list[dict] | None = None) -> dict:
     msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        msg["tool_calls"] = calls
+        msg["content"] = content or None  # OpenAI's: no text beside the calls is null
     if reasoning is not None:
         msg["reasoning_content"] = reasoning
     return msg
 
 
-def chat_response(rid, model, content, reasoning, finish, use, stats) -> dict:
+def fragments(arguments: str, size: int = 16) -> list[str]:
+    """A call's arguments in the pieces a stream sends them in (at least one, maybe empty)."""
+    return [arguments[i : i + size] for i in range(0, len(arguments), size)] or [""]
+
+
+def tool_call_deltas(call: dict, index: int) -> list[dict]:
+    """OpenAI's streamed shape of one call: id, type and name (empty arguments) first, then
+    the arguments in fragments."""
+    fn = call["function"]
+    first = {"index": index, "id": call["id"], "type": "function",
+             "function": {"name": fn["name"], "arguments": ""}}  # fmt: skip
+    rest = [{"index": index, "function": {"arguments": p}} for p in fragments(fn["arguments"])]
+    return [first, *rest]
+
+
+def chat_response(rid, model, content, reasoning, finish, use, stats, calls=None) -> dict:
     return {
         "id": rid,
         "object": "chat.completion",
@@ -217,7 +313,7 @@ def chat_response(rid, model, content, reasoning, finish, use, stats) -> dict:
         "choices": [
             {
                 "index": 0,
-                "message": chat_message(content, reasoning),
+                "message": chat_message(content, reasoning, calls),
                 "finish_reason": finish,
                 "logprobs": None,
             }
@@ -274,14 +370,21 @@ def usage_chunk(rid, model, kind: str, use: dict) -> dict:
 def anthropic_stop(finish: str, stop_string: str | None) -> str:
     if stop_string is not None:
         return "stop_sequence"
+    if finish == "tool_calls":
+        return "tool_use"
     return "max_tokens" if finish == "length" else "end_turn"
 
 
-def messages_response(rid, model, content, reasoning, finish, stop_seq, use, stats) -> dict:
-    blocks = []
+def messages_response(rid, model, content, reasoning, finish, stop_seq, use, stats, calls=()):
+    blocks: list[dict[str, Any]] = []
     if reasoning:
         blocks.append({"type": "thinking", "thinking": reasoning})
-    blocks.append({"type": "text", "text": content})
+    if content or not calls:
+        blocks.append({"type": "text", "text": content})
+    for c in calls:
+        fn = c["function"]
+        blocks.append({"type": "tool_use", "id": c["id"], "name": fn["name"],
+                       "input": json.loads(fn["arguments"] or "{}")})  # fmt: skip
     return {
         "id": rid,
         "type": "message",

@@ -112,3 +112,44 @@ class ThinkingSplitter:
     def flush(self) -> tuple[str, str]:
         out, self.buf = self.buf, ""
         return (out, "") if self.thinking else ("", out)
+
+
+class ToolCallSplitter:
+    """feed(text) -> [(kind, text)], in order: "text" outside tool calls, and "call" for the
+    text of each call completed in it (between the model's start and end markers, dropped).
+
+    `inside`: the answer starts inside a call (a forced tool_choice wrote the start marker,
+    and maybe more, into the prompt): that text begins the first call.
+    """
+
+    def __init__(self, start: str, end: str, inside: str | None = None):
+        self.start, self.end = start, end
+        self.calling = inside is not None
+        self.buf = inside or ""
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        self.buf += text
+        out: list[tuple[str, str]] = []
+        while self.buf:
+            if self.calling:
+                i = self.buf.find(self.end)
+                if i < 0:
+                    break
+                out.append(("call", self.buf[:i]))
+                self.buf, self.calling = self.buf[i + len(self.end) :], False
+                continue
+            i = self.buf.find(self.start)
+            if i >= 0:
+                out.append(("text", self.buf[:i]))
+                self.buf, self.calling = self.buf[i + len(self.start) :], True
+                continue
+            keep = _held(self.buf, [self.start])
+            out.append(("text", self.buf[: len(self.buf) - keep]))
+            self.buf = self.buf[len(self.buf) - keep :]
+            break
+        return [(k, t) for k, t in out if t or k == "call"]
+
+    def flush(self) -> tuple[str, str | None]:
+        """(content left, the text of a call the answer ended inside, or None)."""
+        out, self.buf = self.buf, ""
+        return ("", out) if self.calling else (out, None)

@@ -20,7 +20,8 @@ from ..engine import GenerationConfig, SamplingParams, Stats, stream_generate
 from ..engine.session import uses_drafter
 from ..errors import DFlashError
 from .sessions import SessionPool
-from .text import StopStrings, ThinkingSplitter
+from .text import StopStrings, ThinkingSplitter, ToolCallSplitter
+from .tools import Tools, parse_call
 
 
 @dataclass
@@ -30,6 +31,8 @@ class Job:
     stop: list[str] = field(default_factory=list)
     thinking: bool | None = None  # None: no thinking split; else whether the answer starts in it
     tags: tuple[str, str] = ("<think>", "</think>")
+    tools: Tools | None = None  # tool calls are parsed out of the answer (unless choice "none")
+    inside: str | None = None  # the answer starts inside a call the prompt opened (forced choice)
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
@@ -40,7 +43,7 @@ class Job:
 
 @dataclass
 class Done:
-    finish: str  # "stop" | "length" | "cancelled"
+    finish: str  # "stop" | "length" | "cancelled" | "tool_calls"
     stop_string: str | None
     prompt_tokens: int
     completion_tokens: int
@@ -74,7 +77,12 @@ class Worker:
             d = json.loads(spec)
             sampling = SamplingParams(d["temperature"], d["top_p"], d["top_k"])
             cfg = job_config(base, max_tokens=d["max_tokens"], sampling=sampling, seed=d["seed"])
-            job = Job(d["prompt"], cfg, d["stop"], d["thinking"], tuple(d["tags"]))
+            tools = None
+            if d["tools"] is not None:
+                t = d["tools"]
+                tools = Tools(t["specs"], t["choice"], t["name"], t["parallel"], set(t["names"]))
+            job = Job(d["prompt"], cfg, d["stop"], d["thinking"], tuple(d["tags"]), tools,
+                      d["inside"])  # fmt: skip
             try:
                 self._run(job)
             except Exception:  # rank 0 reports errors; a follower just moves on
@@ -96,6 +104,10 @@ class Worker:
             "stop": job.stop,
             "thinking": job.thinking,
             "tags": list(job.tags),
+            "tools": None
+            if job.tools is None
+            else {**vars(job.tools), "names": sorted(job.tools.names)},
+            "inside": job.inside,
         }
         self.world.send_text(json.dumps(spec))
 
@@ -144,7 +156,7 @@ class Worker:
         session, _ = self.pool.take(job.prompt, uses_drafter(self.mode))
         stats, tokens = Stats(), 0  # (stats: the last chunk's running totals)
         stops = StopStrings(job.stop)
-        split = ThinkingSplitter(job.thinking, job.tags) if job.thinking is not None else None
+        out = Output(job, self.target.tokenizer)
         finish, hit = None, None
         stop_ids = job.cfg.stop_ids
         gen = stream_generate(session, job.prompt, job.cfg)
@@ -153,7 +165,9 @@ class Worker:
                 stats = chunk.stats
                 tokens += sum(1 for t in chunk.tokens if t not in stop_ids)
                 text, hit = stops.feed(chunk.text)
-                self._emit(job, split, text)
+                if out.feed(text):  # a call ended and parallel calls are off
+                    finish = "stop"
+                    break
                 if hit is not None:
                     finish = "stop"
                     break
@@ -168,11 +182,10 @@ class Worker:
             gen.close()
             self.pool.give_back(session)
         if hit is None:
-            self._emit(job, split, stops.flush())
-        if split is not None:
-            reasoning, content = split.flush()
-            if reasoning or content:
-                job.events.put(("text", reasoning, content))
+            out.feed(stops.flush())
+        out.flush()
+        if out.called and finish in ("stop", None):
+            finish = "tool_calls"
         self.finishes.append(finish or "length")
         d = stats.to_dict()
         info = {
@@ -194,16 +207,70 @@ class Worker:
             )
         )
 
-    @staticmethod
-    def _emit(job: Job, split: ThinkingSplitter | None, text: str) -> None:
+
+class Output:
+    """A job's text on its way out: the thinking split, then tool calls cut out of the content
+    and parsed (a call the parser cannot read goes out as the text it was)."""
+
+    def __init__(self, job: Job, tokenizer):
+        self.job, self.tokenizer = job, tokenizer
+        thinking = job.thinking
+        self.split = ThinkingSplitter(thinking, job.tags) if thinking is not None else None
+        self.calls = None
+        if job.tools is not None and job.tools.choice != "none":
+            start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
+            self.calls = ToolCallSplitter(start, end, job.inside)
+        self.called = 0
+
+    def feed(self, text: str) -> bool:
+        """Send `text` on; True when the answer should end here (a call, no parallel calls)."""
         if not text:
-            return
-        if split is None:
-            job.events.put(("text", None, text))
-            return
-        reasoning, content = split.feed(text)
-        if reasoning or content:
-            job.events.put(("text", reasoning, content))
+            return False
+        reasoning, content = self.split.feed(text) if self.split else (None, text)
+        return self._send(reasoning, content)
+
+    def _send(self, reasoning: str | None, content: str) -> bool:
+        if reasoning:
+            self.job.events.put(("text", reasoning, ""))
+        if self.calls is None:
+            if content:
+                self.job.events.put(("text", None, content))
+            return False
+        for kind, text in self.calls.feed(content) if content else []:
+            if kind == "text":
+                self.job.events.put(("text", None, text))
+            elif self._call(text):
+                return True
+        return False
+
+    def _call(self, text: str) -> bool:
+        tools = self.job.tools
+        assert tools is not None
+        parsed = parse_call(self.tokenizer, text, tools)
+        if parsed is None:  # unreadable: the client gets the text as the model wrote it
+            raw = self.tokenizer.tool_call_start + text + self.tokenizer.tool_call_end
+            self.job.events.put(("text", None, raw))
+            return False
+        self.called += len(parsed)
+        self.job.events.put(("tool", parsed))
+        return not tools.parallel
+
+    def flush(self) -> None:
+        if self.split is not None:
+            reasoning, content = self.split.flush()
+            self._send(reasoning, content)
+        if self.calls is not None:
+            content, unfinished = self.calls.flush()
+            if content:
+                self.job.events.put(("text", None, content))
+            if unfinished:  # the answer ended inside a call (length, or no end marker)
+                parsed = parse_call(self.tokenizer, unfinished, self.job.tools)
+                if parsed is None:
+                    raw = self.tokenizer.tool_call_start + unfinished
+                    self.job.events.put(("text", None, raw))
+                else:
+                    self.called += len(parsed)
+                    self.job.events.put(("tool", parsed))
 
 
 def job_config(base: GenerationConfig, **changes) -> GenerationConfig:
