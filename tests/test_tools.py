@@ -15,7 +15,7 @@ import json
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
-from tool_models import qwen25_header, write_qwen25_tool_model
+from tool_models import FAMILY_TEMPLATES, qwen25_header, with_template, write_qwen25_tool_model
 
 from mlx_dflash.engine import stream as engine_stream
 from mlx_dflash.engine.session import Round
@@ -325,3 +325,61 @@ def test_anthropic_tool_use_streamed(claude, script):
     }
     (use,) = [b for b in final.content if b.type == "tool_use"]
     assert use.input == {"city": "Paris", "days": 2} and final.stop_reason == "tool_use"
+
+
+# ---- the other parser families our registry targets use ---------------------------------------
+
+FAMILY_CALLS = {
+    "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
+    "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+    '<|tool_call_argument_begin|>{"city": "Paris", "days": 2}<|tool_call_end|>'
+    "<|tool_calls_section_end|>",
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILY_TEMPLATES))
+def family(request, folder, tmp_path_factory):
+    """(family, app, url): the Qwen2.5 vocabulary behind another family's template, thinking."""
+    from test_serve import start
+
+    out = tmp_path_factory.mktemp(request.param) / "model"
+    with_template(folder, out, FAMILY_TEMPLATES[request.param], think=True)
+    server, app, url = start(str(out), None, "ar")
+    yield request.param, app, url
+    server.shutdown()
+    app.worker.stop()
+
+
+def test_each_family_parses_its_calls_apart_from_the_thinking(family, monkeypatch):
+    name, app, url = family
+    assert app.tokenizer.tool_parser.__module__.endswith(name)
+    c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    answers = ["Paris, two days.</think>\n\n" + FAMILY_CALLS[name], "Sunny.</think>\n\nSunny."]
+    prompts = []
+
+    def rounds(session, prompt, cfg):
+        prompts.append(app.tokenizer.decode(prompt))
+        ids = list(app.tokenizer.encode(answers.pop(0), add_special_tokens=False))
+        yield Round(tokens=[], accepted=0, drafted=0, prefill=True, prefill_tokens=len(prompt))
+        yield Round(
+            tokens=ids + [app.tokenizer.eos_token_id], accepted=1, drafted=0, finished="stop"
+        )
+
+    monkeypatch.setattr(engine_stream, "generate_rounds", rounds)
+    r = c.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER])
+    msg = r.choices[0].message
+    assert msg.model_extra["reasoning_content"] == "Paris, two days."
+    (call,) = msg.tool_calls
+    assert call.function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
+    history = ASK + [msg.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]  # fmt: skip
+    r = c.chat.completions.create(model="tiny", messages=history, tools=[WEATHER])
+    assert r.choices[0].message.content == "Sunny."
+    assert "get_weather" in prompts[1] and "Paris" in prompts[1]  # the call went back in
+    # this template thinks first and has no switch to skip it: a call cannot be forced
+    with pytest.raises(openai.BadRequestError, match="cannot be forced"):
+        c.chat.completions.create(
+            model="tiny", messages=ASK, tools=[WEATHER], tool_choice="required"
+        )

@@ -49,3 +49,50 @@ def write_qwen25_tool_model(path: Path, meta: dict) -> Path:
     if generation:
         (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
     return path
+
+
+# Stand-ins for the other tool-call families our registry targets use, written here (their
+# published templates are not available offline): just enough template to render tools and
+# tool history, with the markers from which mlx-lm picks each family's parser.
+_HISTORY = (
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{%- for c in m.tool_calls or [] %}CALLS{% endfor %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if think %}<think>\n{%- endif %}{%- endif %}"
+)
+FAMILY_TEMPLATES = {
+    # Qwen3-Coder, Qwen3.5 / 3.6 / 3.8: XML-ish calls, typed by the schema
+    "qwen3_coder": (
+        "{%- if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}"
+        "{% endfor %}</tools>\nCall one as <tool_call>\n<function=NAME>\n<parameter=KEY>\n"
+        "VALUE\n</parameter>\n</function>\n</tool_call><|im_end|>\n{%- endif %}"
+        + _HISTORY.replace(
+            "CALLS",
+            "<tool_call>\n<function={{ c.function.name }}>\n{% for k, v in "
+            "c.function.arguments | items %}<parameter={{ k }}>\n{{ v }}\n</parameter>\n"
+            "{% endfor %}</function>\n</tool_call>",
+        )
+    ),
+    # Kimi-K2 / K2.5: a section of calls, each functions.NAME:INDEX then JSON arguments
+    "kimi_k2": (
+        "{%- if tools %}<|im_start|>system\n# Tools\n{{ tools | tojson }}<|im_end|>\n{%- endif %}"
+        + _HISTORY.replace(
+            "CALLS",
+            "<|tool_calls_section_begin|><|tool_call_begin|>{{ c.id }}"
+            "<|tool_call_argument_begin|>{{ c.function.arguments | tojson }}<|tool_call_end|>"
+            "<|tool_calls_section_end|>",
+        )
+    ),
+}
+
+
+def with_template(folder: Path, out: Path, template: str, **variables) -> Path:
+    """A copy of a model folder with another chat template (variables fixed into it)."""
+    shutil.copytree(folder, out)
+    for name, value in variables.items():
+        template = "{%- set " + name + " = " + json.dumps(value) + " %}" + template
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = template
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return out
