@@ -383,3 +383,71 @@ def test_each_family_parses_its_calls_apart_from_the_thinking(family, monkeypatc
         c.chat.completions.create(
             model="tiny", messages=ASK, tools=[WEATHER], tool_choice="required"
         )
+
+
+# ---- the Responses API -------------------------------------------------------------------------
+
+R_WEATHER = {"type": "function", **WEATHER["function"]}
+
+
+def test_responses_text_equals_chat(client):
+    r = client.responses.create(model="tiny", input="What is the weather in Paris?",
+                                max_output_tokens=10)  # fmt: skip
+    chat = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=10)
+    assert r.output_text == chat.choices[0].message.content
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 10 and r.usage.input_tokens > 5
+
+
+def test_responses_function_call_streamed_then_continued(client, script):
+    """Codex CLI's loop: a streamed call, then its output sent with previous_response_id."""
+    prompts = script("Checking. " + CALL, "It is sunny.")
+    events = list(client.responses.create(
+        model="tiny", instructions="Be brief.", input="What is the weather in Paris?",
+        tools=[R_WEATHER], stream=True))  # fmt: skip
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    for k in ("response.output_item.added", "response.output_text.delta",
+              "response.function_call_arguments.delta", "response.output_item.done"):  # fmt: skip
+        assert k in kinds, k
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert text == "Checking. " and json.loads(args) == {"city": "Paris", "days": 2}
+    final = events[-1].response
+    (call,) = [o for o in final.output if o.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments) == json.loads(args)
+    assert prompts[0].startswith("<|im_start|>system\nBe brief.")
+
+    r = client.responses.create(
+        model="tiny", previous_response_id=final.id, tools=[R_WEATHER],
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+    )  # fmt: skip
+    assert r.output_text == "It is sunny." and r.status == "completed"
+    assert '"city": "Paris"' in prompts[1] and "<tool_response>\nsunny" in prompts[1]
+    # the same turn sent as items, as a client without previous_response_id does
+    script("Sunny again.")
+    items = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name,
+         "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"},
+    ]  # fmt: skip
+    r = client.responses.create(model="tiny", input=items, tools=[R_WEATHER])
+    assert r.output_text == "Sunny again." and "<tool_response>\nsunny" in prompts[2]
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ({"previous_response_id": "resp_gone"}, "not kept by this server"),
+        ({"tools": [{"type": "web_search"}]}, "only function tools"),
+        ({"input": [{"type": "image_generation_call"}]}, "not supported"),
+        ({"input": 3}, "'input' must be"),
+    ],
+)
+def test_responses_bad_requests(client, extra, match):
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 2, **extra}
+    with pytest.raises(openai.BadRequestError, match=match):
+        client.responses.create(**body)

@@ -24,6 +24,7 @@ from ..engine import GenerationConfig, SamplingParams
 from ..errors import DFlashError
 from ..prompts import has_template, render, stop_ids
 from . import protocol as P
+from . import responses as R
 from .sessions import SessionPool
 from .text import prompt_opens_thinking, thinking_tags
 from .tools import forced_prefix
@@ -60,6 +61,7 @@ class App:
         self.context = int(target.text_config.get("max_position_embeddings") or 0) or None
         self.templated = has_template(self.tokenizer)
         self.tags = thinking_tags(self.tokenizer) if self.templated else None
+        self.responses = R.ResponseStore()
 
     def check_model(self, name: str | None) -> None:
         ok = {self.config.model_name, *self.config.aliases}
@@ -75,6 +77,8 @@ class App:
     def prepare(self, req: P.Request) -> Job:
         """Prompt ids, settings and stop strings for a checked request."""
         self.check_model(req.model)
+        if req.previous is not None:  # responses: the earlier conversation comes first
+            req.messages = self.responses.conversation(req.previous) + (req.messages or [])
         thinking, inside = None, None
         if req.kind == "completion":
             if not req.prompt.strip():
@@ -300,13 +304,18 @@ class Handler(BaseHTTPRequestHandler):
             "/v1/chat/completions": "chat",
             "/v1/completions": "completion",
             "/v1/messages": "messages",
+            "/v1/responses": "responses",
         }
         try:
             if path not in kinds:
                 raise P.APIError(404, f"No route for POST {path}.", "not_found_error")
             if not self._authorized():
                 raise P.APIError(401, "Missing or wrong API key.", "authentication_error")
-            req = P.parse_request(kinds[path], self._body())
+            body = self._body()
+            if kinds[path] == "responses":
+                req = R.parse_responses(body)
+            else:
+                req = P.parse_request(kinds[path], body)
             job = self.app.prepare(req)
         except P.APIError as e:
             return self._error(e)
@@ -316,6 +325,8 @@ class Handler(BaseHTTPRequestHandler):
         try:
             if req.kind == "messages":
                 (self._stream_messages if req.stream else self._answer_messages)(req, job)
+            elif req.kind == "responses":
+                (self._stream_responses if req.stream else self._answer_responses)(req, job)
             elif req.stream:
                 self._stream(req, job)
             else:
@@ -414,6 +425,40 @@ class Handler(BaseHTTPRequestHandler):
         )
         self._send_json(200, body)
 
+    def _answer_responses(self, req: P.Request, job: Job) -> None:
+        content, reasoning, calls, done, error = self._collect(job)
+        if error is not None:
+            return self._error(P.APIError(500, error, "server_error"))
+        if done is None:
+            return
+        rid, items = P.new_id("resp"), _response_items(content, reasoning, calls)
+        body = R.response_body(rid, self.app.config.model_name, req, items, done, "completed")
+        self.app.responses.keep(rid, list(req.messages or []) + R.as_messages(items))
+        self._send_json(200, body)
+
+    def _stream_responses(self, req: P.Request, job: Job) -> None:
+        rid = P.new_id("resp")
+        self._start_sse()
+        out = R.EventStream(lambda data, event: self._sse(data, event), rid,
+                            self.app.config.model_name, req)  # fmt: skip
+        out.start()
+        for ev in self._events(job):
+            if ev[0] == "text":
+                if ev[1]:
+                    out.reasoning(ev[1])
+                if ev[2]:
+                    out.text(ev[2])
+            elif ev[0] == "tool":
+                for call in ev[1]:
+                    out.call(call)
+            elif ev[0] == "error":
+                out.event("error", code="server_error", message=ev[1], param=None)
+                return
+            else:
+                body = out.finish(ev[1])
+                messages = list(req.messages or []) + R.as_messages(body["output"])
+                self.app.responses.keep(rid, messages)
+
     def _stream_messages(self, req: P.Request, job: Job) -> None:
         rid, name = P.new_id("msg"), self.app.config.model_name
         self._start_sse()
@@ -484,6 +529,20 @@ class Handler(BaseHTTPRequestHandler):
                     "message_delta",
                 )
                 self._sse({"type": "message_stop"}, "message_stop")
+
+
+def _response_items(content: str, reasoning: str, calls: list[dict]) -> list[dict]:
+    items = []
+    if reasoning:
+        item = R.Output.reasoning_item()
+        item.update(status="completed", content=[{"type": "reasoning_text", "text": reasoning}])
+        items.append(item)
+    if content or not calls:
+        item = R.Output.text_item()
+        item.update(status="completed")
+        item["content"].append({"type": "output_text", "text": content, "annotations": []})
+        items.append(item)
+    return items + [R.Output.call_item(c) for c in calls]
 
 
 class Server(ThreadingHTTPServer):

@@ -69,6 +69,7 @@ class Request:
     include_usage: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     tools: Tools | None = None
+    previous: str | None = None  # responses: previous_response_id
 
 
 def parse_json(raw: bytes) -> dict:
