@@ -451,3 +451,74 @@ def test_responses_bad_requests(client, extra, match):
     body = {"model": "tiny", "input": "hi", "max_output_tokens": 2, **extra}
     with pytest.raises(openai.BadRequestError, match=match):
         client.responses.create(**body)
+
+
+# ---- keep-alive --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("keepalive", [0.3, None])
+def test_an_idle_timeout_client_survives_a_long_prefill(folder, monkeypatch, keepalive):
+    """A client that drops a stream idle for 1 s, facing a 2.5 s prefill: comment frames every
+    0.3 s keep it; without them (the control) it times out. The first token still streams
+    the moment it exists."""
+    import time
+
+    from test_serve import start
+
+    def slow(session, prompt, cfg):
+        time.sleep(2.5)  # the prefill of an agent's long context
+        yield Round(tokens=[], accepted=0, drafted=0, prefill=True, prefill_tokens=len(prompt))
+        yield Round(tokens=[app.tokenizer.encode("Hi")[0], app.tokenizer.eos_token_id],
+                    accepted=2, drafted=0, finished="stop")  # fmt: skip
+
+    monkeypatch.setattr(engine_stream, "generate_rounds", slow)
+    server, app, url = start(str(folder), None, "ar", keepalive_s=keepalive or 60.0)
+    try:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=1.0)
+        if keepalive is None:
+            with pytest.raises(openai.APITimeoutError):
+                list(c.chat.completions.create(model="tiny", messages=ASK, stream=True))
+            return
+        t0 = time.monotonic()
+        chunks = list(c.chat.completions.create(model="tiny", messages=ASK, stream=True))
+        assert time.monotonic() - t0 >= 2.5
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "Hi"
+    finally:
+        server.shutdown()
+        app.worker.stop()
+
+
+# ---- /metrics ----------------------------------------------------------------------------------
+
+
+def test_metrics_parse_with_prometheus_clients_own_parser(client, served):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.chat.completions.create(model="tiny", messages=ASK, max_tokens=6)
+    client.chat.completions.create(model="tiny", messages=ASK, max_tokens=6)  # a prefix hit
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=ASK, tool_choice="required")
+    with urllib.request.urlopen(served[1] + "/metrics") as r:
+        assert r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+    def get(name, **labels):
+        return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+    chat = "/v1/chat/completions"
+    assert get("dflash_requests_total", endpoint=chat, status="200") >= 2
+    assert get("dflash_requests_total", endpoint=chat, status="400") >= 1
+    assert get("dflash_completion_tokens_total") >= 12
+    assert get("dflash_prompt_tokens_total") > get("dflash_cached_prompt_tokens_total") > 0
+    assert get("dflash_prefix_cache_hits_total") >= 1
+    rounds = get("dflash_rounds_total", kind="plain") + get("dflash_rounds_total", kind="drafted")
+    assert get("dflash_acceptance_length_count") == rounds > 0
+    assert get("dflash_prefill_seconds_count") == get("dflash_decode_seconds_count") >= 2
+    assert get("dflash_queue_depth") == 0 and ("dflash_busy", ()) in samples

@@ -25,6 +25,7 @@ from ..errors import DFlashError
 from ..prompts import has_template, render, stop_ids
 from . import protocol as P
 from . import responses as R
+from .metrics import Metrics
 from .sessions import SessionPool
 from .text import prompt_opens_thinking, thinking_tags
 from .tools import forced_prefix
@@ -44,6 +45,9 @@ class ServerConfig:
     thinking: bool | None = None  # server-wide enable_thinking (None: the template's default)
     cache_bytes: int = 2 * 2**30
     cache_sessions: int = 8
+    # A streamed answer sends an SSE comment after this many idle seconds (a long prefill):
+    # clients with idle timeouts keep the stream.
+    keepalive_s: float = 3.0
 
 
 class App:
@@ -62,6 +66,8 @@ class App:
         self.templated = has_template(self.tokenizer)
         self.tags = thinking_tags(self.tokenizer) if self.templated else None
         self.responses = R.ResponseStore()
+        self.metrics = Metrics(self.worker, pool)
+        self.worker.on_done = self.metrics.generation
 
     def check_model(self, name: str | None) -> None:
         ok = {self.config.model_name, *self.config.aliases}
@@ -181,6 +187,20 @@ class Handler(BaseHTTPRequestHandler):
 
     # ---- plumbing -----------------------------------------------------------------------
 
+    status = 0  # of the response sent, for /metrics
+
+    def send_response(self, code, message=None):
+        self.status = code
+        super().send_response(code, message)
+
+    def _count(self, path: str) -> None:
+        known = ("/health", "/v1/health", "/metrics", "/v1/models", "/v1/chat/completions",
+                 "/v1/completions", "/v1/messages", "/v1/responses")  # fmt: skip
+        endpoint = (
+            path if path in known else "/v1/models/*" if path.startswith("/v1/models/") else "other"
+        )
+        self.app.metrics.request(endpoint, self.status)
+
     def _send_json(self, status: int, body: dict) -> None:
         data = json.dumps(body).encode()
         self.send_response(status)
@@ -230,13 +250,22 @@ class Handler(BaseHTTPRequestHandler):
             return True
 
     def _events(self, job: Job):
-        """The job's events as they come; cancels it if the client goes away meanwhile."""
-        checked = time.monotonic()
+        """The job's events as they come; cancels it if the client goes away meanwhile. A
+        streamed answer (SSE started) gets a comment frame whenever it has been idle for
+        `keepalive_s`; an event still goes out the moment it exists."""
+        checked = last = time.monotonic()
         while True:
             try:
                 ev = job.events.get(timeout=POLL_S)
             except queue.Empty:
                 ev = None
+            now = time.monotonic()
+            if ev is not None:
+                last = now
+            elif self.streaming and now - last >= self.app.config.keepalive_s:
+                self.wfile.write(b": keep-alive\n\n")
+                self.wfile.flush()
+                last = now
             if time.monotonic() - checked >= POLL_S:
                 checked = time.monotonic()
                 if self._client_gone():
@@ -248,7 +277,10 @@ class Handler(BaseHTTPRequestHandler):
             if ev[0] in ("done", "error"):
                 return
 
+    streaming = False  # set once the SSE headers went out
+
     def _start_sse(self) -> None:
+        self.streaming = True
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -265,6 +297,12 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         path = self.path.split("?")[0].rstrip("/")
+        try:
+            self._get(path)
+        finally:
+            self._count(path)
+
+    def _get(self, path: str) -> None:
         if path in ("/health", "/v1/health"):
             app = self.app
             return self._send_json(
@@ -280,6 +318,13 @@ class Handler(BaseHTTPRequestHandler):
             )
         if not self._authorized():
             return self._error(P.APIError(401, "Missing or wrong API key.", "authentication_error"))
+        if path == "/metrics":
+            data = self.app.metrics.render()
+            self.send_response(200)
+            self.send_header("Content-Type", self.app.metrics.content_type)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            return self.wfile.write(data)
         if path == "/v1/models":
             return self._send_json(200, {"object": "list", "data": [self._model_card()]})
         if path.startswith("/v1/models/"):
@@ -300,6 +345,12 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         path = self.path.split("?")[0].rstrip("/")
+        try:
+            self._post(path)
+        finally:
+            self._count(path)
+
+    def _post(self, path: str) -> None:
         kinds = {
             "/v1/chat/completions": "chat",
             "/v1/completions": "completion",

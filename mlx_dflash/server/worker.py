@@ -62,6 +62,7 @@ class Worker:
         self.busy = False
         self.served = 0
         self.finishes: list[str] = []  # how each job ended, in order (health, tests)
+        self.on_done = None  # called with each job's Done (the server's metrics)
         self.thread = None
         if world.is_main:
             self.thread = threading.Thread(target=self._loop, name="dflash-worker", daemon=True)
@@ -193,19 +194,14 @@ class Worker:
             for k in ("mean_tau", "tau_histogram", "rounds", "draft_rounds", "generation_tps")
         }
         info.update(mode=self.mode, prompt_tps=d["prompt_tps"])
-        job.events.put(
-            (
-                "done",
-                Done(
-                    finish or "length",
-                    hit,
-                    len(job.prompt),
-                    tokens,
-                    len(job.prompt) - stats.prompt_tokens,
-                    info,
-                ),
-            )
-        )
+        info.update(time_prefill_s=d["time_prefill_s"], time_decode_s=stats.t_decode)
+        done = Done(
+            finish or "length", hit, len(job.prompt), tokens, len(job.prompt) - stats.prompt_tokens,
+            info,
+        )  # fmt: skip
+        if self.on_done is not None:
+            self.on_done(done)
+        job.events.put(("done", done))
 
 
 class Output:
