@@ -592,3 +592,48 @@ def test_a_burst_of_50_async_requests_is_all_answered(client, served):
     answers = asyncio.run(burst())
     assert len(answers) == 50
     assert all(a.choices[0].text == want[prompts[i % 5]] for i, a in enumerate(answers))
+
+
+# ---- logprobs (issue 30, item 6) ---------------------------------------------------------------
+
+
+def test_logprobs_equal_plain_decodings(client, served):
+    """Read from the verify passes of a DFlash server: the same values mlx-lm's own decoding
+    reports for the same rendered prompt, in chat (plain and streamed) and completions."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.generate import generate_step
+
+    app = served[0]
+    msgs = [{"role": "user", "content": QUESTION}]
+    r = client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=16, logprobs=True, top_logprobs=3
+    )
+    ids = app.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    steps = list(generate_step(mx.array(ids), app.target.model, max_tokens=16,
+                               sampler=lambda x: mx.argmax(x, axis=-1)))  # fmt: skip
+    want = [(int(t), np.array(lp)) for t, lp in steps]
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == 16
+    for e, (t, vec) in zip(entries, want, strict=True):
+        assert e.token == app.tokenizer.decode([t]) and abs(e.logprob - float(vec[t])) < 1e-4
+        tops = [app.tokenizer.encode(a.token, add_special_tokens=False) for a in e.top_logprobs]
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob == e.logprob
+        assert abs(e.top_logprobs[2].logprob - float(np.sort(vec)[-3])) < 1e-4, tops
+    stream = client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=16, logprobs=True, stream=True
+    )
+    streamed = [e for c in stream if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]  # fmt: skip
+    np.testing.assert_allclose(
+        [e.logprob for e in streamed], [e.logprob for e in entries], atol=1e-4
+    )  # (this one's prompt came from the prefix cache)
+    assert all(e.top_logprobs == [] for e in streamed)
+    c = client.completions.create(model="tiny", prompt=QUESTION, max_tokens=8, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    assert "".join(lp.tokens) == c.choices[0].text and lp.text_offset[0] == 0
+    plain = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4)
+    assert plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, top_logprobs=2)

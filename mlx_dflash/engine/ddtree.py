@@ -16,7 +16,7 @@ from .budget import AutoBudget, FixedBudget
 from .contract import Drafter
 from .lattice import lattice_tree
 from .lookup import LookupStats, PromptLookup
-from .rounds import plain_round
+from .rounds import plain_round, token_logprobs
 from .session import GenerationConfig, Round, Session
 from .tree import Tree, build_tree, graft, root_only, top_candidates, walk
 
@@ -35,6 +35,7 @@ class DDTree:
         self.lookup_len = cfg.lookup
         self.lookup = PromptLookup() if cfg.lookup > 0 else None
         self.lookup_stats = LookupStats()
+        self.logprobs = cfg.logprobs
         self.budgets: list[int] = []  # each verified tree's size (bench and tests read them)
 
     def __call__(self, last: int, n: int, rng, room: int) -> Round:
@@ -58,6 +59,7 @@ class DDTree:
         *path, bonus = session.world.agree_seq([*path, bonus]).tolist()
         session.commit([int(tree.tokens[i]) for i in path], taps, path)
         out = [int(tree.tokens[i]) for i in path[1:]] + [bonus]
+        lps = None if self.logprobs is None else token_logprobs(logits, path, out, self.logprobs)
         for chain in chains:
             self.lookup_stats.record(chain, out)
         t3 = time.perf_counter()
@@ -71,6 +73,7 @@ class DDTree:
             t_verify=t2 - t1,
             t_other=t3 - t2,
             t_build=t_build,
+            logprobs=lps,
         )
 
     def _draft(self, last: int, start: int, n: int, room: int):
@@ -122,7 +125,12 @@ class DDTree:
 
     def _plain(self, last: int, rng) -> Round:
         rnd = plain_round(
-            self.session, last, self.sampling, rng, feed_drafter=self.drafter is not None
+            self.session,
+            last,
+            self.sampling,
+            rng,
+            feed_drafter=self.drafter is not None,
+            logprobs=self.logprobs,
         )
         self.policy.record_plain(rnd.t_verify + rnd.t_other)
         return rnd

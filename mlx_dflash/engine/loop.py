@@ -19,7 +19,7 @@ from ..errors import DFlashError
 from .budget import budget_policy
 from .ddtree import DDTree
 from .device import compute, wired
-from .rounds import _pick, block_round, plain_round, prefill
+from .rounds import _pick, block_round, plain_round, prefill, token_logprobs
 from .session import GenerationConfig, Round, Session
 
 # (last token, drafts allowed this round, rng, tokens max_tokens still allows) -> Round
@@ -32,8 +32,12 @@ def round_function(session: Session, cfg: GenerationConfig) -> RoundFn:
     if kind == "tree":
         return DDTree(session, cfg, budget_policy(session.target, cfg.budget))
     if kind == "block":
-        return lambda last, n, rng, room: block_round(session, last, n, sampling, rng, cfg.profile)
-    return lambda last, n, rng, room: plain_round(session, last, sampling, rng)
+        return lambda last, n, rng, room: block_round(
+            session, last, n, sampling, rng, cfg.profile, cfg.logprobs
+        )
+    return lambda last, n, rng, room: plain_round(
+        session, last, sampling, rng, logprobs=cfg.logprobs
+    )
 
 
 def generate_rounds(session: Session, prompt: list[int], cfg: GenerationConfig) -> Iterator[Round]:
@@ -56,6 +60,8 @@ def generate_rounds(session: Session, prompt: list[int], cfg: GenerationConfig) 
         t0 = time.perf_counter()
         last = session.agree([_pick(logits, cfg.sampling, rng)])[0]
         first.tokens, first.accepted, first.t_other = [last], 1, time.perf_counter() - t0
+        if cfg.logprobs is not None:
+            first.logprobs = token_logprobs(logits, [0], [last], cfg.logprobs)
         emitted = _finish(first, 0, cfg)
         yield first
         if first.finished:
@@ -65,7 +71,7 @@ def generate_rounds(session: Session, prompt: list[int], cfg: GenerationConfig) 
             room = cfg.max_tokens - emitted - 1  # drafts allowed: never verify past max_tokens
             with compute():
                 if room == 0:
-                    rnd = plain_round(session, last, cfg.sampling, rng)
+                    rnd = plain_round(session, last, cfg.sampling, rng, logprobs=cfg.logprobs)
                 else:
                     rnd = next_round(last, min(bs - 1, room), rng, room)
             emitted = _finish(rnd, emitted, cfg)

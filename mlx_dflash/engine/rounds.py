@@ -57,6 +57,23 @@ def prefill(session: Session, prompt: list[int], cfg: GenerationConfig) -> tuple
     return logits, Round([], 0, 0, prefill=True, prefill_tokens=len(new), t_prefill=dt)
 
 
+def token_logprobs(logits: mx.array, rows, tokens: list[int], k: int):
+    """The emitted tokens' log-probabilities under the target, from the rows of the verify's
+    logits that chose them (log-softmax of the raw logits, as mlx-lm's generate_step reports),
+    with the top k alternatives at each, best first. One sync, taken only when asked."""
+    x = logits[mx.array(np.asarray(rows, dtype=np.int32))].astype(mx.float32)
+    lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(lp, mx.array(tokens, dtype=mx.int32)[:, None], axis=-1)[:, 0]
+    top = mx.argsort(-lp, axis=-1)[:, :k] if k else mx.zeros((len(tokens), 0), dtype=mx.int32)
+    top_lp = mx.take_along_axis(lp, top, axis=-1)
+    mx.eval(chosen, top, top_lp)
+    alternatives = [
+        list(zip(t, v, strict=True))
+        for t, v in zip(np.array(top).tolist(), np.array(top_lp).tolist(), strict=True)
+    ]
+    return list(zip(np.array(chosen).tolist(), alternatives, strict=True))
+
+
 def _pick(logits: mx.array | None, sampling: SamplingParams, rng) -> int:
     assert logits is not None
     if sampling.greedy:
@@ -64,7 +81,9 @@ def _pick(logits: mx.array | None, sampling: SamplingParams, rng) -> int:
     return draw(token_probs(logits[-1:], sampling)[0], rng)
 
 
-def block_round(session: Session, last: int, n: int, sampling, rng, profile=False) -> Round:
+def block_round(
+    session: Session, last: int, n: int, sampling, rng, profile=False, logprobs=None
+) -> Round:
     """DFlash: draft n tokens in one drafter pass, verify n+1 in one target pass, commit.
 
     One host sync a round: the drafts stay on the device, and one transfer brings back the
@@ -102,6 +121,11 @@ def block_round(session: Session, last: int, n: int, sampling, rng, profile=Fals
         a, bonus = int(host[n]), int(host[n + 1])
     accepted = host[:a].tolist()
     session.commit([last, *accepted], taps)
+    lps = (
+        None
+        if logprobs is None
+        else token_logprobs(logits, range(a + 1), [*accepted, bonus], logprobs)
+    )
     return Round(
         [*accepted, bonus],
         a + 1,
@@ -110,6 +134,7 @@ def block_round(session: Session, last: int, n: int, sampling, rng, profile=Fals
         t_verify=t2 - t1,
         t_other=time.perf_counter() - t2,
         t_build=t_build,
+        logprobs=lps,
     )
 
 
@@ -132,7 +157,9 @@ def _draft_block(drafter, last: int, start: int, n: int, sampling, rng):
     return mx.random.categorical(mx.log(q), key=key_draft).astype(mx.int32), q, key_accept
 
 
-def plain_round(session: Session, last: int, sampling, rng, feed_drafter: bool = False) -> Round:
+def plain_round(
+    session: Session, last: int, sampling, rng, feed_drafter: bool = False, logprobs=None
+) -> Round:
     """Plain decoding through the same adapter: the baseline, and DDTree's pause between drafts.
 
     feed_drafter: also hand the drafter this position's taps, so drafting can resume next round.
@@ -143,4 +170,8 @@ def plain_round(session: Session, last: int, sampling, rng, feed_drafter: bool =
     )
     tok = session.agree([_pick(logits, sampling, rng)])[0]
     session.commit([last], taps)
-    return Round([tok], 1, 0, t_verify=time.perf_counter() - t0)
+    lps = None
+    if logprobs is not None:
+        assert logits is not None
+        lps = token_logprobs(logits, [0], [tok], logprobs)
+    return Round([tok], 1, 0, t_verify=time.perf_counter() - t0, logprobs=lps)

@@ -41,6 +41,9 @@ def parse_budget(budget: int | str) -> int | str:
     return b
 
 
+MAX_TOP_LOGPROBS = 20
+
+
 @dataclass
 class GenerationConfig:
     """Checked when built: a bad mode or budget is one sentence before any model work."""
@@ -54,6 +57,9 @@ class GenerationConfig:
     branching: int | None = None  # DDTree: max children per node (None: the budget; 1: a chain)
     lookup: int = 0  # prompt lookup: tokens per branch joining the tree (0: none)
     prefill_chunk: int = 512
+    # Report each emitted token's log-probability under the target, with this many top
+    # alternatives (None: off). Costs one more small sync a round; acceptance is unchanged.
+    logprobs: int | None = None
     stop_ids: frozenset[int] = frozenset()
     # Sync after each phase of a round so its time split is the device's (bench --profile);
     # slower, since nothing overlaps.
@@ -69,6 +75,8 @@ class GenerationConfig:
             raise DFlashError(
                 "Prompt lookup (--lookup) joins DDTree trees: use --mode ddtree or lookup."
             )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise DFlashError(f"logprobs must be 0..{MAX_TOP_LOGPROBS} alternatives.")
         if self.mode == "lookup" and not self.lookup:
             self.lookup = DEFAULT_LOOKUP
 
@@ -97,6 +105,9 @@ class Round:
     prefill_tokens: int = 0
     t_prefill: float = 0.0
     finished: str | None = None  # "stop" | "length" when this round ends generation
+    # With GenerationConfig.logprobs: per emitted token, its log-probability under the target
+    # and the top alternatives [(token, logprob)], best first.
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 class Session:

@@ -126,7 +126,8 @@ class App:
             s.top_p if req.top_p is None else float(req.top_p),
             s.top_k if req.top_k is None else int(req.top_k),
         )
-        cfg = job_config(self.base, max_tokens=max_tokens, sampling=sampling, seed=req.seed)
+        cfg = job_config(self.base, max_tokens=max_tokens, sampling=sampling, seed=req.seed,
+                         logprobs=req.logprobs)  # fmt: skip
         tags = self.tags or ("<think>", "</think>")
         tools = req.tools if req.kind != "completion" else None
         return Job(ids, cfg, req.stop, thinking, tags, tools, inside if tools else None)
@@ -387,8 +388,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def _collect(self, job: Job) -> tuple[str, str, list[dict], Done | None, str | None]:
         content, reasoning, calls, done, error = [], [], [], None, None
+        self.entries: list[dict] = []
         for ev in self._events(job):
-            if ev[0] == "text":
+            if ev[0] == "logprobs":
+                self.entries += P.token_entries(self.app.tokenizer, ev[2], ev[1])
+            elif ev[0] == "text":
                 reasoning.append(ev[1] or "")
                 content.append(ev[2] or "")
             elif ev[0] == "tool":
@@ -409,12 +413,13 @@ class Handler(BaseHTTPRequestHandler):
         use = P.usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
         if req.kind == "chat":
             thinking = reasoning if job.thinking is not None else None
-            body = P.chat_response(
-                P.new_id("chatcmpl"), name, content, thinking, done.finish, use, done.stats, calls
-            )
+            lps = self.entries if req.logprobs is not None else None
+            body = P.chat_response(P.new_id("chatcmpl"), name, content, thinking, done.finish, use,
+                                   done.stats, calls, lps)  # fmt: skip
         else:
+            lps = self.entries if req.logprobs is not None else None
             body = P.completion_response(
-                P.new_id("cmpl"), name, content, done.finish, use, done.stats
+                P.new_id("cmpl"), name, content, done.finish, use, done.stats, lps
             )
         self._send_json(200, body)
 
@@ -426,7 +431,13 @@ class Handler(BaseHTTPRequestHandler):
             self._sse(P.chat_chunk(rid, name, {"role": "assistant", "content": ""}))
         n_calls = 0
         for ev in self._events(job):
-            if ev[0] == "text":
+            if ev[0] == "logprobs":
+                entries = P.token_entries(self.app.tokenizer, ev[2], ev[1])
+                if chat:
+                    self._sse(P.chat_chunk(rid, name, {}, logprobs=entries))
+                else:
+                    self._sse(P.completion_chunk(rid, name, "", logprobs=entries))
+            elif ev[0] == "text":
                 _, reasoning, content = ev
                 if chat:
                     delta = {}
@@ -445,7 +456,7 @@ class Handler(BaseHTTPRequestHandler):
             elif ev[0] == "error":
                 self._sse(P.APIError(500, ev[1], "server_error").body())
                 break
-            else:
+            elif ev[0] == "done":
                 done: Done = ev[1]
                 if chat:
                     self._sse(P.chat_chunk(rid, name, {}, done.finish, done.stats))
@@ -505,7 +516,7 @@ class Handler(BaseHTTPRequestHandler):
             elif ev[0] == "error":
                 out.event("error", code="server_error", message=ev[1], param=None)
                 return
-            else:
+            elif ev[0] == "done":
                 body = out.finish(ev[1])
                 messages = list(req.messages or []) + R.as_messages(body["output"])
                 self.app.responses.keep(rid, messages)
@@ -562,7 +573,7 @@ class Handler(BaseHTTPRequestHandler):
             elif ev[0] == "error":
                 self._sse(P.APIError(500, ev[1], "api_error").body(anthropic=True), "error")
                 return
-            else:
+            elif ev[0] == "done":
                 done: Done = ev[1]
                 if block is None:
                     open_block("text")

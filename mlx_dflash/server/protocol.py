@@ -70,6 +70,7 @@ class Request:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     tools: Tools | None = None
     previous: str | None = None  # responses: previous_response_id
+    logprobs: int | None = None  # top alternatives per token (0: just the token's); None: off
 
 
 def parse_json(raw: bytes) -> dict:
@@ -257,10 +258,51 @@ def parse_request(kind: str, body: dict) -> Request:
     req.stream = bool(_get(body, "stream", (bool,), False, what="true or false"))
     opts = _get(body, "stream_options", (dict,), {}, what="an object")
     req.include_usage = bool(opts.get("include_usage", False))
+    req.logprobs = _logprobs(body, kind)
     req.template_kwargs = dict(
         _get(body, "chat_template_kwargs", (dict,), {}, what="an object") or {}
     )
     return req
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """Chat: logprobs (bool) and top_logprobs (0-20); completions: logprobs (0-5 alternatives)."""
+    if kind == "completion":
+        return _get(body, "logprobs", (int,), None, lambda v: 0 <= v <= 5, "an integer in 0..5")
+    if kind != "chat":
+        return None
+    on = _get(body, "logprobs", (bool,), False, what="true or false")
+    top = _get(body, "top_logprobs", (int,), None, lambda v: 0 <= v <= 20, "an integer in 0..20")
+    if top is not None and not on:
+        raise APIError(400, "'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
+    return (top or 0) if on else None
+
+
+def token_entries(tokenizer, logprobs: list, tokens: list[int]) -> list[dict]:
+    """OpenAI's per-token logprobs entries (chat's shape) for emitted tokens."""
+
+    def one(t: int, lp: float) -> dict:
+        text = tokenizer.decode([t])
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return [
+        {**one(t, lp), "top_logprobs": [one(a, v) for a, v in top]}
+        for t, (lp, top) in zip(tokens, logprobs, strict=True)
+    ]
+
+
+def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
+    """Chat-shaped entries in the legacy completions shape."""
+    offsets, at = [], offset
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+    }
 
 
 def new_id(prefix: str) -> str:
@@ -305,7 +347,9 @@ def tool_call_deltas(call: dict, index: int) -> list[dict]:
     return [first, *rest]
 
 
-def chat_response(rid, model, content, reasoning, finish, use, stats, calls=None) -> dict:
+def chat_response(
+    rid, model, content, reasoning, finish, use, stats, calls=None, logprobs=None
+) -> dict:
     return {
         "id": rid,
         "object": "chat.completion",
@@ -316,7 +360,7 @@ def chat_response(rid, model, content, reasoning, finish, use, stats, calls=None
                 "index": 0,
                 "message": chat_message(content, reasoning, calls),
                 "finish_reason": finish,
-                "logprobs": None,
+                "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
             }
         ],
         "usage": use,
@@ -324,38 +368,41 @@ def chat_response(rid, model, content, reasoning, finish, use, stats, calls=None
     }
 
 
-def chat_chunk(rid, model, delta: dict, finish=None, stats=None) -> dict:
+def chat_chunk(rid, model, delta: dict, finish=None, stats=None, logprobs=None) -> dict:
+    lp = None if logprobs is None else {"content": logprobs, "refusal": None}
     out = {
         "id": rid,
         "object": "chat.completion.chunk",
         "created": now(),
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}],
     }
     if stats is not None:
         out["dflash"] = stats
     return out
 
 
-def completion_response(rid, model, text, finish, use, stats) -> dict:
+def completion_response(rid, model, text, finish, use, stats, logprobs=None) -> dict:
+    lp = None if logprobs is None else completion_logprobs(logprobs)
     return {
         "id": rid,
         "object": "text_completion",
         "created": now(),
         "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": lp}],
         "usage": use,
         "dflash": stats,
     }
 
 
-def completion_chunk(rid, model, text, finish=None, stats=None) -> dict:
+def completion_chunk(rid, model, text, finish=None, stats=None, logprobs=None) -> dict:
+    lp = None if logprobs is None else completion_logprobs(logprobs)
     out = {
         "id": rid,
         "object": "text_completion",
         "created": now(),
         "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": lp}],
     }
     if stats is not None:
         out["dflash"] = stats

@@ -165,6 +165,11 @@ class Worker:
             for chunk in gen:
                 stats = chunk.stats
                 tokens += sum(1 for t in chunk.tokens if t not in stop_ids)
+                if chunk.round.logprobs is not None:
+                    pairs = zip(chunk.tokens, chunk.round.logprobs, strict=True)
+                    kept = [(t, lp) for t, lp in pairs if t not in stop_ids]
+                    if kept:
+                        job.events.put(("logprobs", [t for t, _ in kept], [lp for _, lp in kept]))
                 text, hit = stops.feed(chunk.text)
                 if out.feed(text):  # a call ended and parallel calls are off
                     finish = "stop"
