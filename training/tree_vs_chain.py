@@ -53,7 +53,9 @@ def main(argv=None) -> int:
         drafter = load_drafter(path, num_target_layers=target.num_layers)
         target.set_taps(drafter.cfg.target_layer_ids)
         for name in a.sets.split(","):
-            prompts = [encode_prompt(target.tokenizer, p) for p in load_prompts(name, None, a.limit)]
+            prompts = [
+                encode_prompt(target.tokenizer, p) for p in load_prompts(name, None, a.limit)
+            ]
             cells = []
             for b in budgets:
                 for branching in (1, None):
