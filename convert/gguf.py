@@ -1,9 +1,11 @@
 """GGUF (llama.cpp) -> Hugging Face-style folder that `mlx_lm.load` reads, for llama and qwen2.
 
-`mx.load(path, return_metadata=True)` reads GGUF natively: Q4_0/Q4_1/Q8_0 tensors come back as MLX
-affine `weight`/`scales`/`biases` triples (group size 32), every other quant type is dequantized
-to float16, norms stay float32. Those tensors are renamed to mlx-lm keys and kept as they come, so
-a quantized GGUF stays quantized; config.json gets the matching `quantization` block.
+The file is read with the `gguf` package, llama.cpp's own format library (MLX's built-in reader
+silently mis-dequantizes Q4_K and cannot read Q5_0). Q4_0 / Q4_1 / Q8_0 blocks are exactly MLX
+affine group-32 quantization, so they are repacked into `weight`/`scales`/`biases` triples and
+stay quantized (config.json gets the matching `quantization` block); a sample of rows of each is
+checked against `gguf`'s dequantization, and a mismatch stops the conversion. Every other quant
+type (the K-quants, Q5_0, Q5_1, ...) is dequantized by `gguf` to float16; float tensors stay.
 
 llama.cpp stores llama q/k rows permuted for its interleaved RoPE; that is undone here (on
 weight, scales and biases alike, since MLX groups run along the input dim). qwen2 uses NeoX RoPE
@@ -22,6 +24,9 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFReader
+from gguf.quants import dequantize
 from tokenizers import (
     AddedToken,
     Regex,
@@ -374,33 +379,106 @@ def quantization(weights: dict[str, mx.array], config: dict) -> dict | None:
     return block
 
 
-def provenance(path: Path, meta: dict) -> str:
+def provenance(path: Path, meta: dict, source: str = "") -> str:
     """PROVENANCE.md: the source GGUF, its hash and licence, and what was changed."""
     name = meta.get("general.name", path.stem)
     license_ = meta.get("general.license", "see the original model card")
     return (
         "# Provenance\n\n"
-        f"Converted by `convert/gguf.py` (mlx-dflash) from `{path.name}` ({name}).\n\n"
+        f"Converted by `convert/gguf.py` (mlx-dflash) from `{path.name}` ({name})"
+        f"{'; the file is ' + source if source else ''}.\n\n"
         f"sha256: `{file_sha256(path)}`\n\nLicence (GGUF `general.license`): {license_}\n\n"
         "Changes: tensors renamed to mlx-lm keys and kept in their GGUF precision (Q4_0/Q4_1/Q8_0\n"
-        "as MLX affine group-32 quantization, other types dequantized to float16 by MLX); llama\n"
+        "repacked into MLX affine group-32 quantization, checked against the gguf package; other\n"
+        "quant types dequantized to float16 by the gguf package); llama\n"
         "q/k rows un-permuted from llama.cpp's interleaved RoPE layout; tokenizer.json rebuilt\n"
         "from the GGUF tokenizer metadata.\n"
     )
 
 
+# GGUF types that are MLX affine quantization as they stand: (bits, block bytes).
+AFFINE = {QT.Q4_0: (4, 18), QT.Q4_1: (4, 20), QT.Q8_0: (8, 34)}
+CHECKED_ROWS = 8  # rows of each repacked tensor compared with gguf's own dequantization
+
+
 def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict]:
-    """Tensors and metadata of a GGUF file, with a clear error for missing or foreign files."""
+    """Tensors (mlx arrays; Q4_0/Q4_1/Q8_0 as `X.weight/.scales/.biases` triples) and
+    metadata of a GGUF file, with a clear error for missing or foreign files."""
     path = Path(path)
     if not path.is_file():
         raise DFlashError(f"The GGUF file {path} does not exist.")
     try:
-        return mx.load(str(path), return_metadata=True)
-    except (ValueError, RuntimeError) as e:
-        raise DFlashError(f"MLX cannot read {path} as GGUF ({e}).") from e
+        reader = GGUFReader(path)
+    except (ValueError, OSError, KeyError) as e:
+        raise DFlashError(f"{path} is not a readable GGUF file ({e}).") from e
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    tensors: dict[str, mx.array] = {}
+    for t in reader.tensors:
+        shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists the innermost dim first
+        qtype = QT(t.tensor_type)
+        data = np.asarray(t.data)
+        if qtype in (QT.F32, QT.F16):
+            tensors[t.name] = mx.array(data.reshape(shape))
+        elif qtype == QT.BF16:  # exact in bfloat16, which numpy lacks
+            x = dequantize(data, qtype).reshape(shape)
+            tensors[t.name] = mx.array(x).astype(mx.bfloat16)
+        elif qtype in AFFINE:
+            base = t.name.removesuffix(".weight")
+            triple = affine_triple(data.reshape(-1, AFFINE[qtype][1]), qtype, shape)
+            _check_rows(t.name, qtype, data, triple, shape)
+            names = [f"{base}.weight", f"{base}.scales", f"{base}.biases"]
+            tensors.update(zip(names, triple, strict=True))
+        else:
+            try:
+                x = dequantize(data, qtype)
+            except NotImplementedError:
+                raise DFlashError(f"GGUF tensor {t.name} has type {qtype.name}, which the gguf "
+                                  "package cannot dequantize.") from None  # fmt: skip
+            tensors[t.name] = mx.array(x.reshape(shape).astype(np.float16))
+    return tensors, meta
 
 
-def convert(gguf: str | Path, out: str | Path, force: bool = False) -> Path:
+def affine_triple(blocks: np.ndarray, qtype: QT, shape: tuple[int, ...]):
+    """MLX (packed uint32 weight, float16 scales, float16 biases) of ggml blocks of 32 values:
+    Q4_0 is d * (q - 8), Q4_1 d * q + m, Q8_0 d * q with q signed; all exact as scale * q' + bias."""
+    bits = AFFINE[qtype][0]
+    d = blocks[:, 0:2].copy().view(np.float16)[:, 0]
+    if qtype == QT.Q8_0:
+        q = (blocks[:, 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint32)
+        bias = d * np.float16(-128)
+    else:
+        at = 4 if qtype == QT.Q4_1 else 2
+        packed = blocks[:, at : at + 16]
+        q = np.concatenate([packed & 15, packed >> 4], axis=1).astype(np.uint32)  # ggml order
+        bias = (
+            blocks[:, 2:4].copy().view(np.float16)[:, 0] if qtype == QT.Q4_1 else d * np.float16(-8)
+        )
+    per_word = 32 // bits
+    q = q.reshape(-1, per_word) << (np.arange(per_word, dtype=np.uint32) * bits)
+    words = np.bitwise_or.reduce(q, axis=1).astype(np.uint32)
+    cols = shape[-1]
+    out_shape = (*shape[:-1], cols * bits // 32)
+    groups = (*shape[:-1], cols // 32)
+    return (mx.array(words.reshape(out_shape)), mx.array(d.reshape(groups)),
+            mx.array(bias.astype(np.float16).reshape(groups)))  # fmt: skip
+
+
+def _check_rows(name: str, qtype: QT, raw: np.ndarray, triple, shape) -> None:
+    """Rows of a repacked tensor, dequantized by MLX, against the gguf package's reference."""
+    rows = int(np.prod(shape[:-1]))
+    pick = np.unique(np.linspace(0, rows - 1, min(CHECKED_ROWS, rows)).astype(np.int64))
+    flat = [a.reshape(rows, -1) for a in triple]
+    ours = mx.dequantize(*(a[mx.array(pick)] for a in flat), group_size=32,
+                         bits=AFFINE[qtype][0]).astype(mx.float32)  # fmt: skip
+    ref = dequantize(raw.reshape(rows, -1)[pick], qtype)
+    err = float(np.max(np.abs(np.array(ours) - ref)))
+    tol = 2e-3 * max(float(np.max(np.abs(ref))), 1e-6)  # float16 rounding: scale * q, + bias
+    if not err <= tol:
+        raise DFlashError(f"GGUF tensor {name} ({qtype.name}) does not repack exactly into MLX's "
+                          f"quantization (max error {err:.3g}); refusing to write wrong weights.")  # fmt: skip
+
+
+def convert(gguf: str | Path, out: str | Path, force: bool = False, source: str = "") -> Path:
     """Convert a llama or qwen2 GGUF file into the folder `out` (written atomically)."""
     gguf = Path(gguf)
     tensors, meta = read_gguf(gguf)
@@ -423,7 +501,7 @@ def convert(gguf: str | Path, out: str | Path, force: bool = False) -> Path:
         write_json(tmp / "tokenizer_config.json", tok_config)
         if generation:
             write_json(tmp / "generation_config.json", generation)
-        (tmp / "PROVENANCE.md").write_text(provenance(gguf, meta), encoding="utf-8")
+        (tmp / "PROVENANCE.md").write_text(provenance(gguf, meta, source), encoding="utf-8")
     return Path(out)
 
 

