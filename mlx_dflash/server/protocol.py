@@ -11,43 +11,12 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .tools import Tools
+from .errors import APIError
+from .tools import Tools, parse_tools
 
 MAX_STOPS = 256  # stop strings a request may list (each is searched for in every chunk)
-
-
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status,
-            message,
-            type,
-            param,
-            code,
-        )
-
-    def body(self, anthropic: bool = False) -> dict:
-        if anthropic:
-            return {"type": "error", "error": {"type": self.type, "message": self.message}}
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
 
 
 @dataclass
@@ -216,8 +185,6 @@ def _anthropic_blocks(role: str, blocks: list, where: str) -> list[dict[str, Any
 
 def parse_request(kind: str, body: dict) -> Request:
     """Check a chat / completion / messages body and return what the engine needs."""
-    from .tools import parse_tools  # (tools.py raises this module's APIError)
-
     number = (int, float)
     req = Request(kind=kind, model=_get(body, "model", (str,), what="a string"))
     if kind == "completion":

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .protocol import APIError
+from .errors import APIError
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
