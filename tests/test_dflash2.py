@@ -417,3 +417,25 @@ def test_drafts_equal_zlabs_round_for_round(pair, tmp_path):
         block = mx.array([[last] + [ours.cfg.mask_token_id] * (bs - 1)])
         path, _, _ = theirs.propose(block, taps[None, :start], theirs.make_cache(), 0.0, 1)
         assert np.array(path)[0, :n].tolist() == chain, start
+
+
+def test_linear_rounds_default_to_a_5_token_block(pair):
+    """--mode dflash verifies 5 tokens a round by default with a DFlash 2 drafter (the measured
+    default); --block-size takes it to the drafter's own block, trees keep the whole depth, and
+    all of it is exact."""
+    target, _, _, _ = pair
+    ref = mlx_lm_greedy(target, PROMPT, 24)
+    depths = {}
+    native = runner_of(pair).block_size  # 8 for Qwen3.8's drafter, 16 for Muse's
+    for mode, block in [("dflash", None), ("dflash", native), ("ddtree", None)]:
+        runner = runner_of(pair)
+        assert runner.linear_block == 5 < runner.block_size
+        cfg = GenerationConfig(max_tokens=24, mode=mode, block_size=block, budget=64)
+        out, drafted = [], []
+        for r in generate_rounds(Session(target, runner), PROMPT, cfg):
+            out += r.tokens
+            drafted += [] if r.prefill else [r.drafted]
+        assert out == ref, (mode, block)
+        depths[(mode, block)] = max(drafted)
+    assert depths[("dflash", None)] == 4 and depths[("dflash", native)] == native - 1
+    assert depths[("ddtree", None)] > 4  # a tree's node count, at any depth

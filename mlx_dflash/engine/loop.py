@@ -99,7 +99,12 @@ def _block_size(session: Session, cfg: GenerationConfig) -> int:
     if session.drafter is None or not cfg.uses_drafter:
         return 1
     native = session.drafter.block_size
-    bs = cfg.block_size or native
+    # A linear block round verifies every slot it drafts: a drafter may prefer fewer than its
+    # block (DFlash 2: models/drafter.py, DFLASH2_LINEAR_BLOCK). Trees keep the whole depth.
+    default = (
+        getattr(session.drafter, "linear_block", native) if cfg.round_kind == "block" else native
+    )
+    bs = cfg.block_size or default
     if bs < 2 or bs > native:
         raise DFlashError(f"Block size must be between 2 and the drafter's {native}, not {bs}.")
     return bs
