@@ -9,6 +9,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import pytest
 
@@ -55,12 +56,21 @@ def start(model, drafter=None, mode="dflash", **config):
     return server, app, f"http://127.0.0.1:{server.server_address[1]}"
 
 
+@contextmanager
+def serving(model, drafter=None, mode="dflash", **config):
+    """(app, url) of a server that runs for the with-block, then shuts down."""
+    server, app, url = start(model, drafter, mode, **config)
+    try:
+        yield app, url
+    finally:
+        server.shutdown()
+        app.worker.stop()
+
+
 @pytest.fixture(scope="module")
 def served(folders):
-    server, app, url = start(folders["target"], folders["drafter"])
-    yield app, url
-    server.shutdown()
-    app.worker.stop()
+    with serving(folders["target"], folders["drafter"]) as s:
+        yield s
 
 
 @pytest.fixture

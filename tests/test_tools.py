@@ -50,12 +50,10 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(folder):
-    from test_serve import start
+    from test_serve import serving
 
-    server, app, url = start(str(folder), None, "ar")
-    yield app, url
-    server.shutdown()
-    app.worker.stop()
+    with serving(str(folder), None, "ar") as s:
+        yield s
 
 
 @pytest.fixture
@@ -254,7 +252,7 @@ def test_bad_tools_are_a_400_and_the_server_keeps_serving(client, extra, match):
 
 def test_tools_for_a_model_without_tool_support_are_a_400(tmp_path):
     """The THINKING_TEMPLATE model of test_serve has a template with no tool markers."""
-    from test_serve import THINKING_TEMPLATE, start
+    from test_serve import THINKING_TEMPLATE, serving
 
     from mlx_dflash.models.tiny import write_tiny_target
 
@@ -263,14 +261,10 @@ def test_tools_for_a_model_without_tool_support_are_a_400(tmp_path):
     (folder / "tokenizer_config.json").write_text(
         json.dumps({**cfg, "chat_template": THINKING_TEMPLATE})
     )
-    server, app, url = start(str(folder), None, "ar")
-    try:
+    with serving(str(folder), None, "ar") as (_, url):
         c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         with pytest.raises(openai.BadRequestError, match="no tool-call support"):
             c.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], max_tokens=2)
-    finally:
-        server.shutdown()
-        app.worker.stop()
 
 
 # ---- Anthropic messages ------------------------------------------------------------------------
@@ -341,14 +335,12 @@ FAMILY_CALLS = {
 @pytest.fixture(scope="module", params=sorted(FAMILY_TEMPLATES))
 def family(request, folder, tmp_path_factory):
     """(family, app, url): the Qwen2.5 vocabulary behind another family's template, thinking."""
-    from test_serve import start
+    from test_serve import serving
 
     out = tmp_path_factory.mktemp(request.param) / "model"
     with_template(folder, out, FAMILY_TEMPLATES[request.param], think=True)
-    server, app, url = start(str(out), None, "ar")
-    yield request.param, app, url
-    server.shutdown()
-    app.worker.stop()
+    with serving(str(out), None, "ar") as (app, url):
+        yield request.param, app, url
 
 
 def test_each_family_parses_its_calls_apart_from_the_thinking(family, monkeypatch):
@@ -463,7 +455,7 @@ def test_an_idle_timeout_client_survives_a_long_prefill(folder, monkeypatch, kee
     the moment it exists."""
     import time
 
-    from test_serve import start
+    from test_serve import serving
 
     def slow(session, prompt, cfg):
         time.sleep(2.5)  # the prefill of an agent's long context
@@ -472,8 +464,7 @@ def test_an_idle_timeout_client_survives_a_long_prefill(folder, monkeypatch, kee
                     accepted=2, drafted=0, finished="stop")  # fmt: skip
 
     monkeypatch.setattr(engine_stream, "generate_rounds", slow)
-    server, app, url = start(str(folder), None, "ar", keepalive_s=keepalive or 60.0)
-    try:
+    with serving(str(folder), None, "ar", keepalive_s=keepalive or 60.0) as (app, url):
         c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=1.0)
         if keepalive is None:
             with pytest.raises(openai.APITimeoutError):
@@ -483,9 +474,6 @@ def test_an_idle_timeout_client_survives_a_long_prefill(folder, monkeypatch, kee
         chunks = list(c.chat.completions.create(model="tiny", messages=ASK, stream=True))
         assert time.monotonic() - t0 >= 2.5
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "Hi"
-    finally:
-        server.shutdown()
-        app.worker.stop()
 
 
 # ---- /metrics ----------------------------------------------------------------------------------

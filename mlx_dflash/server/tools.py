@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import APIError
@@ -35,7 +35,10 @@ class Tools:
     choice: str = "auto"  # "auto" | "none" | "required" | "function"
     name: str | None = None  # the function tool_choice names
     parallel: bool = True
-    names: set[str] = field(default_factory=set)
+
+    @property
+    def names(self) -> set[str]:
+        return {s["function"]["name"] for s in self.specs}
 
 
 def _schema(params: Any, where: str) -> dict:
@@ -108,7 +111,7 @@ def parse_tools(body: dict, anthropic: bool = False) -> Tools | None:
                                                       and raw.get("type") in ("auto", "none")):  # fmt: skip
             raise APIError(400, "'tool_choice' needs 'tools'.", param="tool_choice")
         return None
-    tools = Tools(specs, names={s["function"]["name"] for s in specs})
+    tools = Tools(specs)
     if anthropic:
         _anthropic_choice(tools, raw)
     else:

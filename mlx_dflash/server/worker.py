@@ -81,7 +81,7 @@ class Worker:
             tools = None
             if d["tools"] is not None:
                 t = d["tools"]
-                tools = Tools(t["specs"], t["choice"], t["name"], t["parallel"], set(t["names"]))
+                tools = Tools(t["specs"], t["choice"], t["name"], t["parallel"])
             job = Job(d["prompt"], cfg, d["stop"], d["thinking"], tuple(d["tags"]), tools,
                       d["inside"])  # fmt: skip
             try:
@@ -105,9 +105,7 @@ class Worker:
             "stop": job.stop,
             "thinking": job.thinking,
             "tags": list(job.tags),
-            "tools": None
-            if job.tools is None
-            else {**vars(job.tools), "names": sorted(job.tools.names)},
+            "tools": None if job.tools is None else vars(job.tools),
             "inside": job.inside,
         }
         self.world.send_text(json.dumps(spec))
@@ -244,13 +242,15 @@ class Output:
                 return True
         return False
 
-    def _call(self, text: str) -> bool:
+    def _call(self, text: str, closed: bool = True) -> bool:
+        """A call's text parsed and sent; True when no call may follow. `closed`: the model
+        wrote the end marker (not when the answer ended inside the call)."""
         tools = self.job.tools
         assert tools is not None
         parsed = parse_call(self.tokenizer, text, tools)
         if parsed is None:  # unreadable: the client gets the text as the model wrote it
-            raw = self.tokenizer.tool_call_start + text + self.tokenizer.tool_call_end
-            self.job.events.put(("text", None, raw))
+            end = self.tokenizer.tool_call_end if closed else ""
+            self.job.events.put(("text", None, self.tokenizer.tool_call_start + text + end))
             return False
         self.called += len(parsed)
         self.job.events.put(("tool", parsed))
@@ -265,13 +265,7 @@ class Output:
             if content:
                 self.job.events.put(("text", None, content))
             if unfinished:  # the answer ended inside a call (length, or no end marker)
-                parsed = parse_call(self.tokenizer, unfinished, self.job.tools)
-                if parsed is None:
-                    raw = self.tokenizer.tool_call_start + unfinished
-                    self.job.events.put(("text", None, raw))
-                else:
-                    self.called += len(parsed)
-                    self.job.events.put(("tool", parsed))
+                self._call(unfinished, closed=False)
 
 
 def job_config(base: GenerationConfig, **changes) -> GenerationConfig:
