@@ -64,7 +64,12 @@ def attention(
     q, k = _rotate(attn, q, k, start, positions)
     keys, values = cache.append(k, v)
     if window is not None and start + T > window:  # a query may be past some cached key
-        out = _windowed(q, keys, values, attn.scale, start, positions, parents, window)
+        if "window" not in masks:  # the same for every sliding layer of this pass
+            masks["window"] = window_mask(q.shape[2], start, positions, parents, window)
+        lo = max(0, start - window + 1)  # keys before it are out of every query's window
+        out = mx.fast.scaled_dot_product_attention(
+            q, keys[:, :, lo:], values[:, :, lo:], scale=attn.scale, mask=masks["window"]
+        )
     elif parents is None:
         mask = "causal" if T > 1 else None
         if use_cpu_attention():
@@ -93,13 +98,12 @@ def _rotate(attn, q, k, start: int, positions):
     return q, k
 
 
-def _windowed(q, keys, values, scale: float, start: int, positions, parents, window: int):
-    """Attention where a query at position p sees cached positions p-window+1..p only (what
-    mlx-lm's sliding layers compute): the causal or tree mask, cut to the window. Keys no query
-    of this pass can see are sliced off first. Taken only once the context has passed the
-    window, and exact, so it uses MLX's fused attention with an explicit mask rather than a
-    kernel of its own; built lazily in MLX (no host sync)."""
-    T = q.shape[2]
+def window_mask(T: int, start: int, positions, parents, window: int) -> mx.array:
+    """The boolean mask of a sliding-window layer over the keys from its window's start: a
+    query at position p sees cached positions p-window+1..p only (what mlx-lm's sliding layers
+    compute), within the causal or tree mask. Taken only once the context has passed the window,
+    and exact, so it goes to MLX's fused attention rather than a kernel of its own; built lazily
+    in MLX (no host sync), once per pass."""
     if parents is None:
         q_pos = start + mx.arange(T)
         base = mx.tril(mx.ones((T, T), dtype=mx.bool_))
@@ -109,7 +113,4 @@ def _windowed(q, keys, values, scale: float, start: int, positions, parents, win
     lo = max(0, start - window + 1)  # the shallowest query's first visible position
     k_pos = mx.concatenate([mx.arange(lo, start), q_pos])  # this pass's keys sit at q_pos
     prefix = mx.ones((T, start - lo), dtype=mx.bool_)
-    mask = mx.concatenate([prefix, base], axis=1) & (k_pos[None, :] > q_pos[:, None] - window)
-    return mx.fast.scaled_dot_product_attention(
-        q, keys[:, :, lo:], values[:, :, lo:], scale=scale, mask=mask
-    )
+    return mx.concatenate([prefix, base], axis=1) & (k_pos[None, :] > q_pos[:, None] - window)
