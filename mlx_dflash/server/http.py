@@ -32,6 +32,14 @@ from .tools import forced_prefix
 from .worker import Done, Job, Worker, job_config
 
 MAX_BODY = 16 * 2**20
+# POST routes -> the request kind; GET routes (/v1/models/ID aside). /metrics counts by these.
+POST_KINDS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completion",
+    "/v1/messages": "messages",
+    "/v1/responses": "responses",
+}
+GET_ROUTES = ("/health", "/v1/health", "/metrics", "/v1/models")
 SOCKET_TIMEOUT_S = 30.0
 POLL_S = 0.1
 
@@ -195,11 +203,8 @@ class Handler(BaseHTTPRequestHandler):
         super().send_response(code, message)
 
     def _count(self, path: str) -> None:
-        known = ("/health", "/v1/health", "/metrics", "/v1/models", "/v1/chat/completions",
-                 "/v1/completions", "/v1/messages", "/v1/responses")  # fmt: skip
-        endpoint = (
-            path if path in known else "/v1/models/*" if path.startswith("/v1/models/") else "other"
-        )
+        known = path in GET_ROUTES or path in POST_KINDS
+        endpoint = path if known else "/v1/models/*" if path.startswith("/v1/models/") else "other"
         self.app.metrics.request(endpoint, self.status)
 
     def _send_json(self, status: int, body: dict) -> None:
@@ -352,22 +357,16 @@ class Handler(BaseHTTPRequestHandler):
             self._count(path)
 
     def _post(self, path: str) -> None:
-        kinds = {
-            "/v1/chat/completions": "chat",
-            "/v1/completions": "completion",
-            "/v1/messages": "messages",
-            "/v1/responses": "responses",
-        }
         try:
-            if path not in kinds:
+            if path not in POST_KINDS:
                 raise P.APIError(404, f"No route for POST {path}.", "not_found_error")
             if not self._authorized():
                 raise P.APIError(401, "Missing or wrong API key.", "authentication_error")
             body = self._body()
-            if kinds[path] == "responses":
+            if POST_KINDS[path] == "responses":
                 req = R.parse_responses(body)
             else:
-                req = P.parse_request(kinds[path], body)
+                req = P.parse_request(POST_KINDS[path], body)
             job = self.app.prepare(req)
         except P.APIError as e:
             return self._error(e)
