@@ -169,10 +169,8 @@ class Worker:
                     if kept:
                         job.events.put(("logprobs", [t for t, _ in kept], [lp for _, lp in kept]))
                 text, hit = stops.feed(chunk.text)
-                if out.feed(text):  # a call ended and parallel calls are off
-                    finish = "stop"
-                    break
-                if hit is not None:
+                # (out.feed is True when a call ended and parallel calls are off)
+                if out.feed(text) or hit is not None:
                     finish = "stop"
                     break
                 if chunk.round.finished:
