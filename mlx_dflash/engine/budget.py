@@ -107,7 +107,7 @@ def choose_budget(
     otherwise buy trees whose deep nodes never land.
     """
     b = np.arange(len(tree.tokens))
-    gain = 1.0 + calibration * (expected_tokens(tree) - 1.0)
+    gain = expected_tokens(tree, calibration)
     rate = gain / (t_fixed + profile.cost(b + 1))
     return int(np.argmax(rate))
 
@@ -232,22 +232,15 @@ class AutoBudget:
 
     def cut(self, tree: Tree) -> Tree:
         """The tree's first b+1 nodes, b the budget that maximises expected tokens per second."""
-        b = choose_budget(tree, self.profile, self.t_fixed, self.calibration)
-        return Tree(
-            tree.tokens[: b + 1],
-            tree.parents[: b + 1],
-            tree.depths[: b + 1],
-            tree.log_probs[: b + 1],
-        )
+        return tree.prefix(choose_budget(tree, self.profile, self.t_fixed, self.calibration) + 1)
 
     def cut_lookup(self, tree: Tree, chains: list[list[int]], lookup_stats, drafted: bool):
         """Lookup branches cut to the length that maximises expected tokens per second at the
         measured lookup acceptance (`lookup_stats`); none when they do not pay."""
         if not chains:
             return chains
-        base = 1.0
-        if drafted:
-            base += self.calibration * (expected_tokens(tree)[-1] - 1.0)
+        # The drafter's nodes at its calibrated confidence, grammar drafts as certain.
+        base = expected_tokens(tree, self.calibration if drafted else 1.0)[-1]
         best, best_rate = 0, base / (self.t_fixed + self.profile.cost(len(tree.tokens)))
         for length in range(1, max(len(c) for c in chains) + 1):
             size = len(graft(tree, [c[:length] for c in chains]).tokens)
@@ -267,9 +260,13 @@ class AutoBudget:
         in all."""
         self.t_fixed = 0.8 * self.t_fixed + 0.2 * t_fixed if self.t_fixed else t_fixed
         if n_drafted:
-            predicted = expected_tokens(tree)[n_drafted - 1] - 1.0
+            # The drafter's confidence against its acceptance; grammar drafts are neither.
+            certain = tree.is_certain()
+            drafter = ~certain[1:n_drafted]
+            predicted = float(np.exp(tree.log_probs[1:n_drafted])[drafter].sum())
             self.expected = 0.9 * self.expected + 0.1 * predicted
-            self.realised = 0.9 * self.realised + 0.1 * sum(i < n_drafted for i in path[1:])
+            realised = sum(i < n_drafted and not certain[i] for i in path[1:])
+            self.realised = 0.9 * self.realised + 0.1 * realised
         self.tree_rounds += 1
         self.pacer.record_tree(emitted, t)
 

@@ -14,22 +14,35 @@ import numpy as np
 
 from .budget import AutoBudget, FixedBudget
 from .contract import Drafter
+from .grammar import Grammar, constrain, grammar_tree, grammar_walk, prune_tree
 from .lattice import lattice_tree
 from .lookup import LookupStats, PromptLookup
 from .rounds import plain_round, token_logprobs
 from .session import GenerationConfig, Round, Session
 from .tree import Tree, build_tree, graft, root_only, top_candidates, walk
 
+GRAMMAR_CANDIDATES = 8  # per depth, for a chain under a grammar (drafts it forbids are skipped)
+
 
 class DDTree:
     """The round of `--mode ddtree` and `--mode lookup`: the drafter's tree and/or prompt lookup
-    branches (lookup.py), one verify."""
+    branches (lookup.py), one verify. Under a grammar (engine/grammar.py) the tree holds only
+    what it allows, plus its certain runs, and the walk masks the target's logits; DFlash's
+    round under a grammar is this round with `branching` 1."""
 
-    def __init__(self, session: Session, cfg: GenerationConfig, policy: FixedBudget | AutoBudget):
+    def __init__(
+        self,
+        session: Session,
+        cfg: GenerationConfig,
+        policy: FixedBudget | AutoBudget,
+        grammar: Grammar | None = None,
+        branching: int | None = None,
+    ):
         self.session = session
         self.sampling = cfg.sampling
         self.policy = policy
-        self.branching = cfg.branching
+        self.grammar = grammar
+        self.branching = branching or cfg.branching
         # --mode lookup drafts from the text alone, even when a drafter is loaded.
         self.drafter = session.drafter if cfg.uses_drafter else None
         self.lookup_len = cfg.lookup
@@ -42,11 +55,11 @@ class DDTree:
         """One round after `last`: the drafter drafts at most `n` deep, lookup branches at most
         `room` (the tokens max_tokens still allows after the bonus)."""
         session, policy = self.session, self.policy
-        if not session.agree([policy.draft_now()])[0]:  # rank 0's clock decides for all ranks
-            return self._plain(last, rng)
+        # rank 0's clock decides for all ranks; a grammar's certain run is always worth a verify
+        drafting = bool(session.agree([policy.draft_now()])[0])
         start = len(session.tokens)
         t0 = time.perf_counter()
-        tree, n_drafted, chains, t_build = self._draft(last, start, n, room)
+        tree, n_drafted, chains, t_build, pruned = self._draft(last, start, n, room, drafting)
         if len(tree.tokens) == 1:  # nothing to verify: a plain step
             return self._plain(last, rng)
         self.budgets.append(len(tree.tokens) - 1)
@@ -55,16 +68,23 @@ class DDTree:
         t_build += time.perf_counter() - t1
         mx.eval(logits if taps is None else (logits, taps))
         t2 = time.perf_counter()
-        path, bonus = walk(tree, logits, self.sampling, rng)
+        if self.grammar is not None:
+            path, bonus = grammar_walk(tree, logits, self.sampling, rng, self.grammar)
+        else:
+            path, bonus = walk(tree, logits, self.sampling, rng)
         *path, bonus = session.world.agree_seq([*path, bonus]).tolist()
         session.commit([int(tree.tokens[i]) for i in path], taps, path)
         out = [int(tree.tokens[i]) for i in path[1:]] + [bonus]
+        if self.grammar is not None:
+            self.grammar.accept(out)
         lps = None if self.logprobs is None else token_logprobs(logits, path, out, self.logprobs)
         for chain in chains:
             self.lookup_stats.record(chain, out)
         t3 = time.perf_counter()
         drafted = n_drafted if self.drafter is not None else 0
-        policy.record_tree(tree, drafted, path, len(out), (t1 - t0) + (t3 - t2), t3 - t0)
+        if drafting:  # a certain run alone (auto's pause) says nothing of the drafter
+            policy.record_tree(tree, drafted, path, len(out), (t1 - t0) + (t3 - t2), t3 - t0)
+        certain = tree.is_certain()
         return Round(
             out,
             len(path),
@@ -74,20 +94,36 @@ class DDTree:
             t_other=t3 - t2,
             t_build=t_build,
             logprobs=lps,
+            pruned=pruned,
+            certain=int(certain.sum()),
+            certain_accepted=int(sum(certain[i] for i in path[1:])),
         )
 
-    def _draft(self, last: int, start: int, n: int, room: int):
-        """(tree, how many of its nodes the drafter made, lookup chains grafted, build time),
-        agreed over the ranks of a sharded target."""
-        tree, t_build = root_only(last), 0.0
+    def _draft(self, last: int, start: int, n: int, room: int, drafting: bool = True):
+        """(tree, how many of its nodes the drafter made, lookup chains grafted, build time,
+        nodes the grammar pruned), agreed over the ranks of a sharded target. Not `drafting`
+        (auto's pause), only a grammar's certain run is drafted."""
+        tree, t_build, pruned, grammar = root_only(last), 0.0, 0, self.grammar
+        if not drafting:
+            if grammar is not None:
+                tree, _ = constrain(tree, grammar, room, self.policy.max_budget)
+            return _agree_tree(self.session, tree, 1)[0], 1, [], 0.0, 0
         if self.drafter is not None:
-            tree, t_build = self._drafter_tree(self.drafter, last, start, n)
+            tree, t_build, pruned = self._drafter_tree(self.drafter, last, start, n, room)
+        elif grammar is not None:
+            tree, _ = constrain(tree, grammar, room, self.policy.max_budget)
         n_drafted = len(tree.tokens)
         chains = self._lookup_chains(tree, last, room) if self.lookup is not None else []
-        tree, n_drafted = _agree_tree(self.session, graft(tree, chains), n_drafted)
-        return tree, n_drafted, chains, t_build
+        tree = graft(tree, chains)
+        if chains and grammar is not None:
+            tree, cut = prune_tree(tree, grammar)
+            pruned += cut
+        tree, n_drafted = _agree_tree(self.session, tree, n_drafted)
+        return tree, n_drafted, chains, t_build, pruned
 
-    def _drafter_tree(self, drafter: Drafter, last: int, start: int, n: int) -> tuple[Tree, float]:
+    def _drafter_tree(
+        self, drafter: Drafter, last: int, start: int, n: int, room: int
+    ) -> tuple[Tree, float, int]:
         max_b = self.policy.max_budget
         # A tree of max_b nodes is at most max_b deep: deeper slots' logits would go unused,
         # and the LM head over them is most of the drafter's time on a CPU.
@@ -95,13 +131,22 @@ class DDTree:
         proposal = drafter.propose(last, start, min(n, max_b))
         t_build = time.perf_counter() - t0
         k = min(self.branching or max_b, max_b)
+        grammar = self.grammar
         if proposal.lattice is not None:  # DFlash 2: the tree follows the selector's chain
             temp = self.sampling.temperature if not self.sampling.greedy else 1.0
             tree = lattice_tree(last, proposal.lattice, max_b, k, temp)
-        else:
+            if grammar is None:
+                return self.policy.cut(tree), t_build, 0
+            tree, pruned = prune_tree(tree, grammar)
+            tree, _ = constrain(self.policy.cut(tree), grammar, room, max_b)
+            return tree, t_build, pruned
+        if grammar is None:
             cand_tok, cand_lp = top_candidates(proposal.logits, k)
-            tree = build_tree(last, cand_tok, cand_lp, max_b)
-        return self.policy.cut(tree), t_build
+            return self.policy.cut(build_tree(last, cand_tok, cand_lp, max_b)), t_build, 0
+        # A chain under a grammar takes the best allowed of a few candidates at each depth.
+        cand_tok, cand_lp = top_candidates(proposal.logits, min(max(k, GRAMMAR_CANDIDATES), max_b))
+        tree, pruned = grammar_tree(last, cand_tok, cand_lp, max_b, grammar, room, self.branching)
+        return self.policy.cut(tree), t_build, pruned
 
     def _lookup_chains(self, tree: Tree, last: int, room: int) -> list[list[int]]:
         """This round's lookup branches, as the budget policy cuts them."""
@@ -131,6 +176,7 @@ class DDTree:
             rng,
             feed_drafter=self.drafter is not None,
             logprobs=self.logprobs,
+            grammar=self.grammar,
         )
         self.policy.record_plain(rnd.t_verify + rnd.t_other)
         return rnd

@@ -16,9 +16,10 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import DFlashError
-from .budget import budget_policy
+from .budget import FixedBudget, budget_policy
 from .ddtree import DDTree
 from .device import compute, wired
+from .grammar import Grammar, compile_grammar
 from .rounds import _pick, block_round, plain_round, prefill, token_logprobs
 from .session import GenerationConfig, Round, Session
 
@@ -26,18 +27,35 @@ from .session import GenerationConfig, Round, Session
 RoundFn = Callable[[int, int, np.random.Generator, int], Round]
 
 
-def round_function(session: Session, cfg: GenerationConfig) -> RoundFn:
-    """The one place a generation's kind of round is chosen, from cfg.round_kind."""
+def round_function(
+    session: Session, cfg: GenerationConfig, grammar: Grammar | None = None, block: int = 16
+) -> RoundFn:
+    """The one place a generation's kind of round is chosen, from cfg.round_kind.
+
+    Under a grammar a DFlash block is a chain verified as a tree (the best allowed draft at
+    each depth, with the grammar's certain runs), so every speculative mode shares one
+    constrained walk (engine/grammar.py)."""
     kind, sampling = cfg.round_kind, cfg.sampling
     if kind == "tree":
-        return DDTree(session, cfg, budget_policy(session.target, cfg.budget))
+        return DDTree(session, cfg, budget_policy(session.target, cfg.budget), grammar)
+    if kind == "block" and grammar is not None:
+        return DDTree(session, cfg, FixedBudget(block - 1), grammar, branching=1)
     if kind == "block":
         return lambda last, n, rng, room: block_round(
             session, last, n, sampling, rng, cfg.profile, cfg.logprobs
         )
     return lambda last, n, rng, room: plain_round(
-        session, last, sampling, rng, logprobs=cfg.logprobs
+        session, last, sampling, rng, logprobs=cfg.logprobs, grammar=grammar
     )
+
+
+def start_grammar(session: Session, cfg: GenerationConfig) -> Grammar | None:
+    """This generation's grammar matcher (None: free text); a bad grammar stops here, before
+    any model work."""
+    if cfg.grammar is None:
+        return None
+    target = session.target
+    return compile_grammar(cfg.grammar, target.tokenizer, target.vocab_size, cfg.stop_ids)
 
 
 def generate_rounds(session: Session, prompt: list[int], cfg: GenerationConfig) -> Iterator[Round]:
@@ -47,6 +65,7 @@ def generate_rounds(session: Session, prompt: list[int], cfg: GenerationConfig) 
     if cfg.uses_drafter and session.drafter is None:
         raise DFlashError(f"Mode '{cfg.mode}' needs a drafter.")
     bs = _block_size(session, cfg)
+    grammar = start_grammar(session, cfg)
     rng = np.random.default_rng(cfg.seed)
     if cfg.seed is not None:
         mx.random.seed(cfg.seed)
@@ -58,7 +77,10 @@ def generate_rounds(session: Session, prompt: list[int], cfg: GenerationConfig) 
             yield first
             return
         t0 = time.perf_counter()
-        last = session.agree([_pick(logits, cfg.sampling, rng)])[0]
+        last = session.agree([_pick(logits, cfg.sampling, rng, grammar)])[0]
+        if grammar is not None:
+            grammar.accept([last])
+            first.t_grammar = grammar.seconds
         first.tokens, first.accepted, first.t_other = [last], 1, time.perf_counter() - t0
         if cfg.logprobs is not None:
             first.logprobs = token_logprobs(logits, [0], [last], cfg.logprobs)
@@ -66,14 +88,19 @@ def generate_rounds(session: Session, prompt: list[int], cfg: GenerationConfig) 
         yield first
         if first.finished:
             return
-        next_round = round_function(session, cfg)
+        next_round = round_function(session, cfg, grammar, bs)
         while True:
             room = cfg.max_tokens - emitted - 1  # drafts allowed: never verify past max_tokens
+            g0 = grammar.seconds if grammar is not None else 0.0
             with compute():
                 if room == 0:
-                    rnd = plain_round(session, last, cfg.sampling, rng, logprobs=cfg.logprobs)
+                    rnd = plain_round(
+                        session, last, cfg.sampling, rng, logprobs=cfg.logprobs, grammar=grammar
+                    )
                 else:
                     rnd = next_round(last, min(bs - 1, room), rng, room)
+            if grammar is not None:
+                rnd.t_grammar = grammar.seconds - g0
             emitted = _finish(rnd, emitted, cfg)
             last = rnd.tokens[-1]
             yield rnd

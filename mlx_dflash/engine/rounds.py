@@ -74,8 +74,11 @@ def token_logprobs(logits: mx.array, rows, tokens: list[int], k: int):
     return list(zip(np.array(chosen).tolist(), alternatives, strict=True))
 
 
-def _pick(logits: mx.array | None, sampling: SamplingParams, rng) -> int:
+def _pick(logits: mx.array | None, sampling: SamplingParams, rng, grammar=None) -> int:
     assert logits is not None
+    if grammar is not None:
+        argmax = int(cast(int, mx.argmax(logits[-1]).item())) if sampling.greedy else None
+        return grammar.pick(logits[-1], argmax, sampling, rng)
     if sampling.greedy:
         return int(cast(int, mx.argmax(logits[-1]).item()))
     return draw(token_probs(logits[-1:], sampling)[0], rng)
@@ -158,18 +161,27 @@ def _draft_block(drafter, last: int, start: int, n: int, sampling, rng):
 
 
 def plain_round(
-    session: Session, last: int, sampling, rng, feed_drafter: bool = False, logprobs=None
+    session: Session,
+    last: int,
+    sampling,
+    rng,
+    feed_drafter: bool = False,
+    logprobs=None,
+    grammar=None,
 ) -> Round:
     """Plain decoding through the same adapter: the baseline, and DDTree's pause between drafts.
 
     feed_drafter: also hand the drafter this position's taps, so drafting can resume next round.
+    grammar: the target's logits masked by it (engine/grammar.py), which then takes the token.
     """
     t0 = time.perf_counter()
     logits, taps = session.target.forward(
         mx.array([last]), session.cache, len(session.tokens), taps=feed_drafter, rewindable=False
     )
-    tok = session.agree([_pick(logits, sampling, rng)])[0]
+    tok = session.agree([_pick(logits, sampling, rng, grammar)])[0]
     session.commit([last], taps)
+    if grammar is not None:
+        grammar.accept([tok])
     lps = None
     if logprobs is not None:
         assert logits is not None

@@ -11,6 +11,7 @@ import mlx.core as mx
 
 from ..errors import DFlashError
 from .contract import Drafter, TargetModel
+from .grammar import GrammarSpec
 from .sampling import SamplingParams
 
 MODES = ("dflash", "ddtree", "lookup", "ar")
@@ -61,6 +62,8 @@ class GenerationConfig:
     # alternatives (None: off). Costs one more small sync a round; acceptance is unchanged.
     logprobs: int | None = None
     stop_ids: frozenset[int] = frozenset()
+    # Structured output: the output follows this grammar (engine/grammar.py); None: free text.
+    grammar: GrammarSpec | None = None
     # Sync after each phase of a round so its time split is the device's (bench --profile);
     # slower, since nothing overlaps.
     profile: bool = False
@@ -108,6 +111,12 @@ class Round:
     # With GenerationConfig.logprobs: per emitted token, its log-probability under the target
     # and the top alternatives [(token, logprob)], best first.
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # Under a grammar: draft nodes it pruned before the verify, its certain (forced) drafts
+    # in the verified tree, and how many of those the output took.
+    pruned: int = 0
+    certain: int = 0
+    certain_accepted: int = 0
+    t_grammar: float = 0.0  # of the round's time, inside the grammar library
 
 
 class Session:

@@ -25,6 +25,12 @@ class Stats:
     draft_rounds: int = 0  # rounds that ran the drafter (auto's pauses and plain steps do not)
     finish: str | None = None
     peak_memory: float = 0.0  # GB that MLX held at most (mx.get_peak_memory, as mlx-lm reports)
+    # Structured output (engine/grammar.py): draft nodes the grammar pruned, its certain drafts
+    # verified and accepted, and the time inside the grammar library.
+    grammar_pruned: int = 0
+    grammar_drafts: int = 0
+    grammar_drafts_accepted: int = 0
+    t_grammar: float = 0.0
 
     def merge(self, other: Stats) -> None:
         """Add another generation's totals (a chat session's running stats)."""
@@ -38,6 +44,10 @@ class Stats:
         self.taus += other.taus
         self.tau_total += other.tau_total
         self.draft_rounds += other.draft_rounds
+        self.grammar_pruned += other.grammar_pruned
+        self.grammar_drafts += other.grammar_drafts
+        self.grammar_drafts_accepted += other.grammar_drafts_accepted
+        self.t_grammar += other.t_grammar
         self.peak_memory = max(self.peak_memory, other.peak_memory)
 
     def add(self, r: Round) -> None:
@@ -53,6 +63,10 @@ class Stats:
             self.t_verify += r.t_verify
             self.t_other += r.t_other
             self.t_build += r.t_build
+        self.grammar_pruned += r.pruned
+        self.grammar_drafts += r.certain
+        self.grammar_drafts_accepted += r.certain_accepted
+        self.t_grammar += r.t_grammar
         self.tokens += len(r.tokens)
         self.finish = r.finished or self.finish
 
@@ -97,6 +111,10 @@ class Stats:
             "time_build_s": self.t_build,
             "time_prefill_s": self.t_prefill,
             "peak_memory_gb": self.peak_memory,
+            "grammar_pruned": self.grammar_pruned,
+            "grammar_drafts": self.grammar_drafts,
+            "grammar_drafts_accepted": self.grammar_drafts_accepted,
+            "time_grammar_s": self.t_grammar,
             "finish_reason": self.finish,
         }
 
@@ -104,10 +122,16 @@ class Stats:
         d = self.to_dict()
         total = self.t_decode or 1.0
         hist = " ".join(f"{k}:{v}" for k, v in d["tau_histogram"].items())
+        grammar = (
+            f" | grammar: {self.grammar_drafts_accepted}/{self.grammar_drafts} certain drafts"
+            f" taken, {self.grammar_pruned} pruned, {100 * self.t_grammar / total:.1f}% of time"
+            if self.t_grammar
+            else ""
+        )
         return (
             f"prompt {d['prompt_tokens']} tok @ {d['prompt_tps']:.1f} tok/s | "
             f"gen {d['generated_tokens']} tok @ {d['generation_tps']:.1f} tok/s | "
             f"tau {d['mean_tau']:.2f} [{hist}] | "
             f"draft {100 * self.t_draft / total:.0f}% verify {100 * self.t_verify / total:.0f}% "
-            f"other {100 * self.t_other / total:.0f}%"
+            f"other {100 * self.t_other / total:.0f}%{grammar}"
         )

@@ -26,6 +26,19 @@ class Tree:
     parents: np.ndarray  # (T,) int, parents[0] = -1
     depths: np.ndarray  # (T,) int, root 0
     log_probs: np.ndarray  # (T,) path log-probability under the drafter, root 0
+    # (T,) bool: grammar drafts (engine/grammar.py), accepted whenever their parent is; None:
+    # no such node. Their log_probs are their parent's.
+    certain: np.ndarray | None = None
+
+    def is_certain(self) -> np.ndarray:
+        if self.certain is None:
+            return np.zeros(len(self.tokens), dtype=bool)
+        return self.certain
+
+    def prefix(self, n: int) -> Tree:
+        """The first n nodes (parents come first, so this is a tree)."""
+        c = None if self.certain is None else self.certain[:n]
+        return Tree(self.tokens[:n], self.parents[:n], self.depths[:n], self.log_probs[:n], c)
 
     def children(self) -> list[dict[int, int]]:
         """Per node: token -> child index (siblings carry distinct tokens)."""
@@ -35,13 +48,17 @@ class Tree:
         return kids
 
 
-def graft(tree: Tree, chains: list[list[int]], log_prob: float = 0.0) -> Tree:
+def graft(
+    tree: Tree, chains: list[list[int]], log_prob: float = 0.0, certain: bool = False
+) -> Tree:
     """`tree` plus token chains from its root; where a chain follows existing nodes it shares
     them, new nodes go after all others (so parents still come first). New nodes get path
-    log-probability `log_prob` per token (they are not the drafter's)."""
+    log-probability `log_prob` per token (they are not the drafter's), and are marked
+    `certain` (grammar drafts) or not."""
     kids = tree.children()
     tokens, parents = list(tree.tokens), list(tree.parents)
     depths, lps = list(tree.depths), list(tree.log_probs)
+    sure = list(tree.is_certain())
     for chain in chains:
         node = 0
         for tok in chain:
@@ -52,6 +69,7 @@ def graft(tree: Tree, chains: list[list[int]], log_prob: float = 0.0) -> Tree:
                 parents.append(node)
                 depths.append(depths[node] + 1)
                 lps.append(lps[node] + log_prob)
+                sure.append(certain)
                 kids[node][int(tok)] = nxt
                 kids.append({})
             node = nxt
@@ -60,6 +78,7 @@ def graft(tree: Tree, chains: list[list[int]], log_prob: float = 0.0) -> Tree:
         np.array(parents, dtype=np.int64),
         np.array(depths, dtype=np.int64),
         np.array(lps, dtype=np.float64),
+        np.array(sure, dtype=bool) if any(sure) else None,
     )
 
 
@@ -141,9 +160,13 @@ def build_tree(root: int, tokens: np.ndarray, lp: np.ndarray, budget: int) -> Tr
     )
 
 
-def expected_tokens(tree: Tree) -> np.ndarray:
-    """E[tokens emitted] for budgets 0..len-1 under the drafter: 1 + sum of path probabilities."""
-    return 1.0 + np.concatenate([[0.0], np.cumsum(np.exp(tree.log_probs[1:]))])
+def expected_tokens(tree: Tree, calibration: float = 1.0) -> np.ndarray:
+    """E[tokens emitted] for budgets 0..len-1 under the drafter: 1 + sum of path probabilities,
+    the drafter's scaled by `calibration` (how many it has really been getting); a grammar
+    draft counts at its real acceptance, certain once its parent is reached."""
+    p = np.exp(tree.log_probs[1:])
+    p = np.where(tree.is_certain()[1:], p, calibration * p)
+    return 1.0 + np.concatenate([[0.0], np.cumsum(p)])
 
 
 def walk(tree: Tree, logits: mx.array, sampling, rng) -> tuple[list[int], int]:

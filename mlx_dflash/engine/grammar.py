@@ -1,0 +1,320 @@
+"""Structured output: a grammar decides which tokens the target may emit (docs/structured.md).
+
+The constrained output is the target's own constrained decoding: at every position the target's
+logits are masked to the tokens the grammar allows, then greedy or sampling picks as usual.
+Speculation keeps that exact and gains from it twice:
+- drafts the grammar forbids are pruned before the verify, so no verify budget is spent on them;
+- where the grammar allows a single continuation (`": "`, a closing brace, a schema's fixed keys)
+  those tokens are certain drafts: they cost no drafter work and the masked target accepts them
+  with probability one.
+
+The grammar engine is llguidance (the library vLLM, SGLang and llama.cpp use): it compiles JSON
+schemas, regexes and Lark grammars, rolls back consumed tokens and computes the forced run
+("fast-forward tokens"), which is all a tree round needs. We write no schema-to-grammar code.
+xgrammar was measured too (docs/structured.md): its masks are faster still, but it imports torch,
+transformers and triton (5.7 GB here), for a cost both keep far below 1% of a decoding step.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import DFlashError
+from .sampling import SamplingParams, draw, token_probs
+from .tree import Tree, graft
+
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What the output must match: a JSON schema (text), any JSON object, a regex or a Lark
+    grammar. Checked and compiled by `compile_grammar`; a spec is plain data, so configs that
+    carry one stay comparable and picklable."""
+
+    kind: str
+    source: str = ""
+
+    def __post_init__(self):
+        if self.kind not in GRAMMAR_KINDS:
+            raise DFlashError(f"Unknown grammar kind '{self.kind}' ({', '.join(GRAMMAR_KINDS)}).")
+
+    @classmethod
+    def json_schema(cls, schema: dict | str) -> GrammarSpec:
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+
+
+def _grammar_text(spec: GrammarSpec) -> str:
+    """The spec in llguidance's grammar format; a malformed schema is one sentence."""
+    import llguidance
+
+    m = llguidance.LLMatcher
+    if spec.kind == "json_object":
+        return m.grammar_from_json_schema({"type": "object"})
+    if spec.kind == "regex":
+        return m.grammar_from_regex(spec.source)
+    if spec.kind == "lark":
+        return m.grammar_from_lark(spec.source)
+    try:
+        schema = json.loads(spec.source)
+    except ValueError as e:
+        raise DFlashError(f"The JSON schema is not valid JSON: {e}.") from None
+    if not isinstance(schema, dict):
+        raise DFlashError("A JSON schema must be a JSON object.")
+    try:
+        return m.grammar_from_json_schema(schema)
+    except ValueError as e:
+        raise DFlashError(f"The JSON schema cannot be used: {e}.") from None
+
+
+# llguidance's view of a tokenizer costs ~0.3-1.4 s to build: one per tokenizer object.
+_LL_TOKENIZERS: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
+
+
+def _ll_tokenizer(tokenizer: Any, vocab_size: int, eos: tuple[int, ...]):
+    import llguidance
+    import llguidance.hf
+
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper holds it
+    per = _LL_TOKENIZERS.setdefault(tokenizer, {})
+    key = (vocab_size, eos)
+    if key not in per:
+        try:
+            per[key] = llguidance.hf.from_tokenizer(
+                hf, n_vocab=vocab_size, eos_token=list(eos) or None
+            )
+        except (ValueError, TypeError) as e:
+            raise DFlashError(f"Structured output needs a fast Hugging Face tokenizer: {e}") from e
+    return per[key]
+
+
+def compile_grammar(spec: GrammarSpec, tokenizer: Any, vocab_size: int, stop_ids=()) -> Grammar:
+    """A fresh matcher for one generation; an invalid grammar is a DFlashError carrying
+    llguidance's reason (the server answers it with a 400)."""
+    import llguidance
+
+    lt = _ll_tokenizer(tokenizer, vocab_size, tuple(sorted(stop_ids)))
+    text = _grammar_text(spec)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, lt)
+    if is_error:
+        raise DFlashError(f"The grammar cannot be compiled: {messages[0]}")
+    matcher = llguidance.LLMatcher(lt, text, log_level=0)
+    if matcher.is_error():
+        raise DFlashError(f"The grammar cannot be compiled: {matcher.get_error()}")
+    return Grammar(matcher, vocab_size)
+
+
+class Grammar:
+    """One generation's grammar state: llguidance's matcher after the tokens emitted so far.
+
+    Tree building moves the matcher down a draft branch and back (`goto`); every caller leaves
+    it at the emitted tokens (`depth` 0). Counters feed Round / Stats: tree nodes pruned,
+    grammar (forced) drafts put in trees, and the masks computed.
+    """
+
+    def __init__(self, matcher, vocab_size: int):
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self.branch: list[int] = []  # tokens consumed beyond the emitted ones (a draft branch)
+        self.masks = 0
+        self.seconds = 0.0  # inside llguidance: the grammar's cost (bench --profile reports it)
+
+    def _ll(self, fn, *args):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    # -- the state -----------------------------------------------------------------------
+    def allows(self, token: int) -> bool:
+        return self._ll(self.matcher.validate_tokens, [int(token)]) == 1
+
+    def push(self, token: int) -> bool:
+        """Consume a draft token (false, and nothing consumed, when the grammar forbids it)."""
+        if not self.allows(token):
+            return False
+        self._ll(self.matcher.consume_token, int(token))
+        self.branch.append(int(token))
+        return True
+
+    def goto(self, tokens: list[int]) -> None:
+        """Move to the state after `tokens` from the emitted ones (rolling back only what
+        differs from the current branch); the tokens must be allowed."""
+        common = 0
+        while (
+            common < len(tokens)
+            and common < len(self.branch)
+            and self.branch[common] == tokens[common]
+        ):
+            common += 1
+        if len(self.branch) > common:
+            self._ll(self.matcher.rollback, len(self.branch) - common)
+            del self.branch[common:]
+        for t in tokens[common:]:
+            ok = self.push(t)
+            assert ok, "goto follows allowed tokens only"
+
+    def accept(self, tokens: list[int]) -> None:
+        """The emitted tokens of a round: the new base state."""
+        self.goto([])
+        for t in tokens:
+            if not self._ll(self.matcher.consume_token, int(t)):
+                raise DFlashError(
+                    f"The grammar rejected an emitted token: {self.matcher.get_error()}"
+                )
+
+    def forced(self, limit: int) -> list[int]:
+        """The run of tokens the grammar allows as the only continuation here (at most `limit`)."""
+        if limit <= 0 or self.matcher.is_stopped():
+            return []
+        return [int(t) for t in self._ll(self.matcher.compute_ff_tokens)[:limit]]
+
+    def mask(self) -> np.ndarray:
+        """The allowed tokens here, as a bool vector over the target's vocabulary."""
+        bits = np.frombuffer(self._ll(self.matcher.compute_bitmask), dtype=np.uint8)
+        self.masks += 1
+        return np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
+
+    # -- picking under the mask --------------------------------------------------------
+    def pick(self, row: mx.array, argmax: int | None, sampling: SamplingParams, rng) -> int:
+        """The target's token here under the mask: masked argmax (greedy) or a draw from the
+        masked distribution (sampling), exactly as a plain constrained decoding step.
+
+        `argmax` (the row's unmasked argmax, read back with the round's other choices) is the
+        masked one whenever the grammar allows it, and then no mask is computed."""
+        if sampling.greedy:
+            if argmax is not None and self.allows(argmax):
+                return argmax
+            x = np.array(row.astype(mx.float32))
+            return int(np.argmax(np.where(self.mask(), x, -np.inf)))
+        masked = mx.where(mx.array(self.mask()), row, -mx.inf)
+        return draw(token_probs(masked[None], sampling)[0], rng)
+
+
+def grammar_tree(
+    root: int,
+    tokens: np.ndarray,
+    lp: np.ndarray,
+    budget: int,
+    grammar: Grammar,
+    room: int,
+    branching: int | None = None,
+) -> tuple[Tree, int]:
+    """tree.build_tree under a grammar: the best-first heap over the drafter's candidates
+    (tokens / lp: (depth, K), best first) adds only the children the grammar allows, and
+    wherever the grammar forces a run of tokens that run is added at once as certain nodes
+    (the parent's log-probability: accepted whenever the parent is), the drafter's candidates
+    continuing below it at their own depths. `branching` 1 makes it a chain (the DFlash round
+    under a grammar: the best allowed candidate at each depth). No node is deeper than
+    `room`. Returns (tree, candidates pruned); the grammar is left at the emitted tokens."""
+    depth_max, k = lp.shape
+    tok, par, dep, lps, sure = [root], [-1], [0], [0.0], [False]
+    paths: list[list[int]] = [[]]
+    kids = [0]
+    heap: list[tuple[float, int, int]] = []  # (-score, rank, parent)
+    pruned = 0
+
+    def add(t: int, parent: int, score: float, certain: bool) -> int:
+        tok.append(t)
+        par.append(parent)
+        dep.append(dep[parent] + 1)
+        lps.append(score)
+        sure.append(certain)
+        paths.append([*paths[parent], t])
+        kids.append(0)
+        kids[parent] += 1
+        return len(tok) - 1
+
+    def expand(node: int) -> None:
+        grammar.goto(paths[node])
+        for t in grammar.forced(min(budget + 1 - len(tok), room - dep[node])):
+            node = add(t, node, lps[node], True)
+        if dep[node] < min(depth_max, room):
+            heapq.heappush(heap, (-(lps[node] + lp[dep[node], 0]), 0, node))
+
+    expand(0)
+    while heap and len(tok) <= budget:
+        neg, r, parent = heapq.heappop(heap)
+        row = dep[parent]
+        if r + 1 < k:
+            heapq.heappush(heap, (neg + lp[row, r] - lp[row, r + 1], r + 1, parent))
+        if branching is not None and kids[parent] >= branching:
+            continue
+        t = int(tokens[row, r])
+        grammar.goto(paths[parent])
+        if not grammar.allows(t):
+            pruned += 1
+            continue
+        expand(add(t, parent, -neg, False))
+    grammar.goto([])
+    tree = Tree(
+        np.array(tok, dtype=np.int64),
+        np.array(par, dtype=np.int64),
+        np.array(dep, dtype=np.int64),
+        np.array(lps, dtype=np.float64),
+        np.array(sure, dtype=bool) if any(sure) else None,
+    )
+    return tree.prefix(min(len(tok), budget + 1)), pruned
+
+
+def constrain(tree: Tree, grammar: Grammar, room: int, budget: int) -> tuple[Tree, int]:
+    """A tree built without the grammar (a DFlash 2 lattice, lookup branches) under it: the
+    nodes the grammar forbids pruned, the root's forced run grafted as certain drafts.
+    Returns (tree, nodes pruned)."""
+    tree, pruned = prune_tree(tree, grammar)
+    run = grammar.forced(min(room, budget))
+    return (graft(tree, [run], certain=True) if run else tree), pruned
+
+
+def prune_tree(tree: Tree, grammar: Grammar) -> tuple[Tree, int]:
+    """Drop the nodes (and their subtrees) whose token the grammar forbids, keeping creation
+    order; returns (tree, nodes pruned) with the grammar left at the emitted tokens."""
+    keep = [0]
+    index = {0: 0}
+    paths: dict[int, list[int]] = {0: []}
+    for i in range(1, len(tree.tokens)):
+        p = int(tree.parents[i])
+        if p not in index:
+            continue
+        grammar.goto(paths[p])
+        if not grammar.allows(int(tree.tokens[i])):
+            continue
+        index[i] = len(keep)
+        keep.append(i)
+        paths[i] = [*paths[p], int(tree.tokens[i])]
+    grammar.goto([])
+    k = np.array(keep)
+    parents = np.array([-1] + [index[int(tree.parents[i])] for i in keep[1:]], dtype=np.int64)
+    certain = None if tree.certain is None else tree.certain[k]
+    out = Tree(tree.tokens[k], parents, tree.depths[k], tree.log_probs[k], certain)
+    return out, len(tree.tokens) - len(keep)
+
+
+def grammar_walk(tree: Tree, logits: mx.array, sampling: SamplingParams, rng, grammar: Grammar):
+    """tree.walk with the target's logits masked by the grammar at every node it visits (the
+    only rows whose choice matters): (accepted node path incl. root, bonus token). Greedy reads
+    the rows' unmasked argmax in one transfer and computes a mask only where the grammar
+    forbids it. The grammar is left at the emitted tokens (the caller accepts the output)."""
+    kids = tree.children()
+    choice = np.array(mx.argmax(logits, axis=-1)) if sampling.greedy else None
+    path: list[int] = [0]
+    while True:
+        cur = path[-1]
+        argmax = None if choice is None else int(choice[cur])
+        x = grammar.pick(logits[cur], argmax, sampling, rng)
+        nxt = kids[cur].get(x)
+        if nxt is None:
+            grammar.goto([])
+            return path, x
+        grammar.push(x)
+        path.append(nxt)
