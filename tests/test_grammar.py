@@ -298,3 +298,40 @@ def test_stats_report_the_grammar(target):
     d = stats.to_dict()
     assert d["grammar_pruned"] > 0 and 0 < d["grammar_drafts_accepted"] <= d["grammar_drafts"]
     assert d["time_grammar_s"] > 0 and "certain drafts taken" in stats.line()
+
+
+def test_generate_flags(run_cli, tmp_path):
+    """`generate --regex / --json-schema / --lark` on the embedded pair; every mode's answer
+    matches, and bad grammar input is one sentence with a non-zero exit."""
+    import re
+
+    texts = set()
+    for mode in ("ar", "dflash", "ddtree"):
+        code, out, err = run_cli(
+            "generate", "-p", "Once upon a time", "-n", "40", "--mode", mode, "--json",
+            "--regex", r"( [a-z]+){3,8}\.",
+        )  # fmt: skip
+        assert code == 0, err
+        d = json.loads(out)
+        # (the decoded text drops the first token's leading space, as sentencepiece does)
+        assert re.fullmatch(r"[a-z]+( [a-z]+){2,7}\.", d["text"]) and d["finish_reason"] == "stop"
+        texts.add(d["text"])
+    assert len(texts) == 1  # greedy: the same constrained answer in every mode
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
+                                  "required": ["n"], "additionalProperties": False,
+                                  "x-guidance": {"whitespace_flexible": False}}))  # fmt: skip
+    code, out, err = run_cli("generate", "-p", "Count:", "-n", "60", "--json-schema", str(schema),
+                             "--json", "--mode", "ddtree")  # fmt: skip
+    assert code == 0, err
+    assert set(json.loads(json.loads(out)["text"])) == {"n"}
+    bad = tmp_path / "bad.json"
+    bad.write_text("{nope")
+    for args, msg in [
+        (["--json-schema", str(bad)], "not valid JSON"),
+        (["--json-schema", str(tmp_path / "missing.json")], "does not exist"),
+        (["--regex", "(x"], "cannot be compiled"),
+        (["--regex", "x", "--lark", str(schema)], "not several"),
+    ]:
+        code, _, err = run_cli("generate", "-p", "Hi", "-n", "5", *args)
+        assert code != 0 and msg in err and "Traceback" not in err

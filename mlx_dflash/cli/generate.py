@@ -31,6 +31,9 @@ def generate_command(
     chat_template: bool = opts.CHAT_TEMPLATE,
     system: str = opts.SYSTEM,
     thinking: bool = opts.THINKING,
+    json_schema: str = opts.JSON_SCHEMA,
+    regex: str = opts.REGEX,
+    lark: str = opts.LARK,
     as_json: bool = typer.Option(False, "--json", help="Print text and stats as one JSON object."),
     quiet_stats: bool = typer.Option(False, "--no-stats", help="Do not print the stats line."),
 ) -> None:
@@ -40,6 +43,7 @@ def generate_command(
     cfg = opts.generation_config(
         max_tokens, temp, top_p, top_k, seed, mode, block_size, budget, lookup
     )
+    cfg = dataclasses.replace(cfg, grammar=opts.grammar_spec(json_schema, regex, lark))
     world = distributed.init()  # several ranks under mlx.launch: a sharded target
     target, runner = load_pair(model, drafter, mode, world)
     ids = encode_prompt(target.tokenizer, prompt, chat_template, system, thinking)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import typer
 
 from ..engine import GenerationConfig, SamplingParams
+from ..errors import DFlashError
 
 MODEL = typer.Option(
     None, "--model", "-m", help="Target folder or hub id (default: embedded stories260K)."
@@ -37,6 +38,45 @@ LOOKUP = typer.Option(
     help="Prompt lookup: up to N tokens copied from earlier text join the tree "
     "(ddtree; default 0) or are the draft (--mode lookup; default 10).",
 )
+
+
+JSON_SCHEMA = typer.Option(
+    None,
+    "--json-schema",
+    help="Structured output: the answer is JSON valid under this schema file.",
+)
+REGEX = typer.Option(None, "--regex", help="Structured output: the answer matches this regex.")
+LARK = typer.Option(
+    None,
+    "--lark",
+    help="Structured output: the answer follows this Lark grammar file (llguidance).",
+)
+
+
+def grammar_spec(json_schema: str | None, regex: str | None, lark: str | None):
+    """The grammar the flags ask for (None: free text), its files read and checked here."""
+    from pathlib import Path
+
+    from ..engine.grammar import GrammarSpec
+
+    given = [
+        (k, v) for k, v in (("json_schema", json_schema), ("regex", regex), ("lark", lark)) if v
+    ]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise DFlashError("Give one of --json-schema, --regex and --lark, not several.")
+    kind, value = given[0]
+    if kind == "regex":
+        return GrammarSpec("regex", value)
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise DFlashError(f"{path} does not exist (the --{kind.replace('_', '-')} file).")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DFlashError(f"{path} cannot be read: {e}.") from None
+    return GrammarSpec(kind, text)
 
 
 def generation_config(
