@@ -27,6 +27,7 @@ from . import protocol as P
 from . import responses as R
 from .metrics import Metrics
 from .sessions import SessionPool
+from .structured import check_grammar, tool_grammar
 from .text import prompt_opens_thinking, thinking_tags
 from .tools import forced_prefix
 from .worker import Done, Job, Worker, job_config
@@ -135,10 +136,21 @@ class App:
             s.top_k if req.top_k is None else int(req.top_k),
         )
         cfg = job_config(self.base, max_tokens=max_tokens, sampling=sampling, seed=req.seed,
-                         logprobs=req.logprobs)  # fmt: skip
+                         logprobs=req.logprobs, grammar=self._grammar(req))  # fmt: skip
         tags = self.tags or ("<think>", "</think>")
         tools = req.tools if req.kind != "completion" else None
         return Job(ids, cfg, req.stop, thinking, tags, tools, inside if tools else None)
+
+    def _grammar(self, req: P.Request):
+        """What the answer must follow: a forced call's strict arguments, else the requested
+        format; compiled here so that a bad schema is a 400 before anything streams."""
+        tools = req.tools if req.kind != "completion" else None
+        spec, param = req.grammar, {"chat": "response_format", "responses": "text.format",
+                                    "messages": "output_format"}.get(req.kind, "")  # fmt: skip
+        if tools is not None and tools.choice in ("required", "function"):
+            spec, param = tool_grammar(self.tokenizer, tools, req.strict), "tools"
+        check_grammar(spec, self.target, self.base.stop_ids, param)
+        return spec
 
     def _render_chat(
         self, req: P.Request, kwargs: dict

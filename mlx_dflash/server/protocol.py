@@ -13,7 +13,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.grammar import GrammarSpec
 from .errors import APIError
+from .structured import response_format, strict_names
 from .tools import Tools, parse_tools
 
 MAX_STOPS = 256  # stop strings a request may list (each is searched for in every chunk)
@@ -40,6 +42,8 @@ class Request:
     tools: Tools | None = None
     previous: str | None = None  # responses: previous_response_id
     logprobs: int | None = None  # top alternatives per token (0: just the token's); None: off
+    grammar: GrammarSpec | None = None  # response_format / text.format / output_format
+    strict: set[str] = field(default_factory=set)  # tools whose arguments follow their schema
 
 
 def parse_json(raw: bytes) -> dict:
@@ -197,6 +201,8 @@ def parse_request(kind: str, body: dict) -> Request:
     else:
         req.messages = _messages(body, anthropic=kind == "messages")
         req.tools = parse_tools(body, anthropic=kind == "messages")
+        req.grammar = response_format(body, kind)
+        req.strict = strict_names(body, anthropic=kind == "messages")
         if kind == "messages":
             system = body.get("system")
             req.system = _text(system, "system") if system is not None else None

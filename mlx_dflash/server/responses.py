@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import protocol as P
+from .structured import response_format, strict_names
 
 KEPT = 64  # responses remembered for previous_response_id
 
@@ -115,6 +116,8 @@ def parse_responses(body: dict) -> P.Request:
     if prev is not None and not isinstance(prev, str):
         raise P.APIError(400, "'previous_response_id' must be a string.", "previous_response_id")
     req.previous = prev
+    req.grammar = response_format(body, "responses")
+    req.strict = strict_names(body, anthropic=True)  # Responses tools are flat, as Anthropic's
     return req
 
 

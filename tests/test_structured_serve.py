@@ -1,0 +1,175 @@
+"""Structured output through `serve`, with the real clients: OpenAI's response_format
+(json_schema, json_object), the Responses API's text.format, Anthropic's output_format and
+strict tools, on a tiny random model speaking Qwen2.5's vocabulary through its real template.
+
+A random model left alone would never write JSON; under the grammar every answer must parse and
+validate, and the greedy answer must be plain constrained decoding's (mlx-lm's generate_step
+with llguidance's bitmask, test_grammar.reference's processor) on the same rendered prompt.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import llguidance
+import llguidance.hf
+import mlx.core as mx
+import numpy as np
+import pytest
+from llguidance.numpy import (
+    allocate_token_bitmask,
+    apply_token_bitmask_inplace,
+    fill_next_token_bitmask,
+)
+from mlx_lm.generate import generate_step
+from test_serve import serving
+from test_tools import ASK, WEATHER
+from tool_models import qwen25_header, write_qwen25_tool_model
+
+from mlx_dflash.prompts import stop_ids
+
+openai = pytest.importorskip("openai", reason="the openai client is a dev dependency")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("structured")
+    with serving(str(write_qwen25_tool_model(root / "m", qwen25_header(root))), None, "ar") as s:
+        yield s
+
+
+@pytest.fixture
+def client(served):
+    return openai.OpenAI(base_url=served[1] + "/v1", api_key="none", max_retries=0)
+
+
+# x-guidance (llguidance's own schema option) keeps a random model from writing whitespace for
+# ever; real models end their JSON by themselves.
+PERSON = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Rome", "Oslo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "units": {"enum": ["C", "F"]},
+    },
+    "required": ["city", "days", "units"],
+    "additionalProperties": False,
+    "x-guidance": {"whitespace_flexible": False},
+}
+
+
+def constrained_reference(app, prompt_ids, schema, n):
+    tok = app.tokenizer
+    lt = llguidance.hf.from_tokenizer(
+        tok._tokenizer, n_vocab=app.target.vocab_size, eos_token=sorted(stop_ids(tok))
+    )
+    m = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_json_schema(schema))
+    mask = allocate_token_bitmask(1, app.target.vocab_size)
+    seen = [len(prompt_ids)]
+
+    def proc(tokens, logits):
+        for t in np.array(tokens[seen[0] :]).tolist():
+            assert m.consume_token(int(t))
+        seen[0] = len(tokens)
+        fill_next_token_bitmask(m, mask)
+        x = np.array(logits.astype(mx.float32))
+        apply_token_bitmask_inplace(x, mask)
+        return mx.array(x)
+
+    out = []
+    for t, _ in generate_step(mx.array(prompt_ids), app.target.model, max_tokens=n,
+                              sampler=lambda x: mx.argmax(x, axis=-1), logits_processors=[proc]):  # fmt: skip
+        if int(t) in stop_ids(tok):
+            break
+        out.append(int(t))
+    return tok.decode(out)
+
+
+def test_json_schema_response_format_is_plain_constrained_decoding(served, client):
+    app = served[0]
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "strict": True}}
+    r = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=60,
+                                       response_format=fmt)  # fmt: skip
+    text = r.choices[0].message.content
+    jsonschema.validate(json.loads(text), PERSON)
+    assert r.choices[0].finish_reason == "stop"
+    prompt = app.tokenizer.apply_chat_template(ASK, add_generation_prompt=True, tokenize=True)
+    assert text == constrained_reference(app, prompt, PERSON, 60)
+    # streamed: the same text in pieces
+    stream = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=60,
+                                            response_format=fmt, stream=True)  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+
+
+def test_json_object_starts_an_object(client):
+    r = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=30,
+                                       response_format={"type": "json_object"})  # fmt: skip
+    text = r.choices[0].message.content
+    assert text.lstrip().startswith("{")
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+def test_responses_text_format_and_anthropic_output_format(served, client):
+    r = client.responses.create(
+        model="tiny", input="Where?", max_output_tokens=60,
+        text={"format": {"type": "json_schema", "name": "p", "schema": PERSON, "strict": True}},
+    )  # fmt: skip
+    jsonschema.validate(json.loads(r.output_text), PERSON)
+    anthropic = pytest.importorskip("anthropic", reason="the anthropic client is a dev dependency")
+    claude = anthropic.Anthropic(base_url=served[1], api_key="none", max_retries=0)
+    m = claude.messages.create(
+        model="tiny", max_tokens=60, messages=[{"role": "user", "content": "Where?"}],
+        extra_body={"output_format": {"type": "json_schema", "schema": PERSON}},
+    )  # fmt: skip
+    jsonschema.validate(json.loads(m.content[0].text), PERSON)
+
+
+STRICT = {
+    "type": "function",
+    "function": {**WEATHER["function"], "strict": True, "parameters": {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]},
+                       "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["city", "days"], "additionalProperties": False,
+        "x-guidance": {"whitespace_flexible": False}}},
+}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time", "strict": True, "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"]
+)
+def test_strict_tools_arguments_follow_the_schema(client, choice):
+    """A random model forced to call: without strict its arguments are noise (the test in
+    test_tools shows it comes back as text); with strict they are valid."""
+    r = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=80,
+                                       tools=[STRICT, TIME], tool_choice=choice)  # fmt: skip
+    calls = r.choices[0].message.tool_calls
+    assert calls and len(calls) == 1, r.choices[0].message.content
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (STRICT, TIME)}
+    fn = calls[0].function
+    jsonschema.validate(json.loads(fn.arguments), schemas[fn.name])
+    if isinstance(choice, dict):
+        assert fn.name == "get_weather"
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ({"response_format": {"type": "xml"}}, "'text', 'json_object' or 'json_schema'"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+         "JSON Schema object"),
+        ({"response_format": {"type": "json_schema",
+                              "json_schema": {"name": "x", "schema": {"type": "nosuch"}}}},
+         "cannot be compiled"),
+    ],
+)  # fmt: skip
+def test_bad_formats_are_a_400_with_the_reason(client, extra, match):
+    with pytest.raises(openai.BadRequestError, match=match):
+        client.chat.completions.create(model="tiny", messages=ASK, max_tokens=5, extra_body=extra)
+    r = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=2)
+    assert r.choices[0].finish_reason == "length"  # the server keeps serving
