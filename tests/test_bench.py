@@ -215,3 +215,30 @@ def test_every_method_runs_a_dflash2_drafter(data_dir, tmp_path):
     assert res["drafter_kind"]["kind"] == "dflash2"
     assert res["identical"]["identical"] and res["identical"]["comparisons"] == 2 * 5
     assert [row["method"] for row in res["results"]] == methods.split(",")
+
+
+def test_structured_set_answers_under_each_prompts_schema(pair, tmp_path):
+    """A set whose lines carry schemas: every method (mlx-lm with the grammar's mask as a logits
+    processor, the plain constrained baseline) answers under them, the answers are identical,
+    valid, and the grammar's time is reported."""
+    from mlx_dflash.benchmark.datasets import load_grammars
+
+    assert len(load_prompts("structured")) == len(load_grammars("structured", 99)) >= 12
+    assert all(g is not None and g.kind == "json_schema" for g in load_grammars("structured", 99))
+    schema = {"type": "object", "properties": {"pick": {"enum": ["red", "green"]}},
+              "required": ["pick"], "additionalProperties": False,
+              "x-guidance": {"whitespace_flexible": False}}  # fmt: skip
+    data = tmp_path / "s.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "schema": schema}) + "\n"
+                            for p in ("Pick a colour.", "Another one?")))  # fmt: skip
+    out = tmp_path / "s.json"
+    model, drafter = pair
+    args = ["bench", "-m", model, "-d", drafter, "-n", "24", "--out", str(out), "--no-plot",
+            "--dataset", str(data), "--methods", METHODS, "--profile"]  # fmt: skip
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    res = json.loads(out.read_text())
+    assert res["identical"]["identical"] is True
+    for row in res["results"]:
+        assert row["valid"] == 1.0 and row["time_grammar_s"] > 0, row["method"]
+    assert "valid" in r.stdout and "grammar" in r.stdout

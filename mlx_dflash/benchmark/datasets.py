@@ -58,7 +58,28 @@ PACKAGED: dict[str, Path] = {
     # MATH-500), none of them in any training data of the shipped drafters: does a drafter
     # generalise?
     "mixed": Path(__file__).parent / "data" / "mixed.jsonl",
+    # Structured output (issue 31): extraction into a schema, function arguments, nested
+    # objects; each line carries the JSON schema its answer must follow.
+    "structured": Path(__file__).parent / "data" / "structured.jsonl",
 }
+
+
+def load_grammars(dataset: str, count: int) -> list:
+    """Per prompt of a set, the grammar its answer must follow (a line's "schema"), or None:
+    only sets whose lines carry schemas (the packaged `structured`, or such a .jsonl) have any."""
+    from ..engine.grammar import GrammarSpec
+    from ..prompt_files import read_records
+
+    path = PACKAGED.get(dataset) or Path(dataset).expanduser()
+    if dataset in DATASETS or not path.is_file() or path.suffix != ".jsonl":
+        return [None] * count
+    specs = []
+    for r in read_records(path):
+        text = r.get("prompt") if isinstance(r, dict) else None
+        if isinstance(text, str) and text.strip():
+            schema = r.get("schema")
+            specs.append(GrammarSpec.json_schema(schema) if isinstance(schema, dict) else None)
+    return specs[:count]
 
 
 def load_prompts(dataset: str, data_dir: str | Path | None = None, limit: int | None = None):

@@ -23,6 +23,8 @@ def summarize(runs: list[Run]) -> dict[str, Any]:
     for part in ("draft", "verify", "other", "build"):
         vals = [getattr(r, f"t_{part}") for r in runs]
         split[f"time_{part}_s"] = None if any(v is None for v in vals) else sum(vals)
+    checked = [r.valid for r in runs if r.valid is not None]
+    grammar = [r.t_grammar for r in runs if r.t_grammar is not None]
     return {
         "prompts": len(runs),
         "prompt_tokens": sum(r.prompt_tokens for r in runs),
@@ -35,6 +37,9 @@ def summarize(runs: list[Run]) -> dict[str, Any]:
         "rounds": len(taus),
         "draft_rounds": sum(r.draft_rounds for r in runs),
         "peak_memory_mb": max((r.peak_memory for r in runs), default=0) / 2**20,
+        # structured output: answers complete and valid under their grammar, and its time
+        "valid": sum(checked) / len(checked) if checked else None,
+        "time_grammar_s": sum(grammar) if grammar else None,
         "mean_tau": sum(taus) / len(taus) if taus else 0.0,
         "mean_tau_per_response": sum(per_response) / len(per_response) if per_response else 0.0,
         "tau_histogram": {str(k): v for k, v in sorted(Counter(taus).items())},
@@ -159,6 +164,9 @@ def print_report(results: dict[str, Any], console) -> None:
         table.add_column(col, justify="left" if left else "right", no_wrap=col != "tau histogram")
     table.add_column("prompt tok/s", justify="right")
     table.add_column("peak MB", justify="right")
+    structured = any(r.get("valid") is not None for r in results["results"])
+    if structured:
+        table.add_column("valid", justify="right")
     for r in results["results"]:
         dec = r["time_decode_s"]
         split = "/".join(_pct(r[f"time_{p}_s"], dec) for p in ("draft", "verify", "other"))
@@ -173,6 +181,11 @@ def print_report(results: dict[str, Any], console) -> None:
             split,
             f"{r['prompt_tps']:.0f}",
             f"{r.get('peak_memory_mb', 0):.0f}",
+            *(
+                []
+                if not structured
+                else ["-" if r["valid"] is None else f"{100 * r['valid']:.0f}%"]
+            ),
         )
     console.print(table)
     if results["settings"].get("profile"):
@@ -213,9 +226,11 @@ def print_profile(results: dict[str, Any], console) -> None:
     table = Table(
         title="Round profile (ms; phases synced one by one)",
         caption="Python: building MLX graphs, inside draft and verify; host: acceptance, "
-        "cache commit and the tree; step: one plain decoding step",
+        "cache commit and the tree; grammar: inside llguidance (masks, pruning, forced runs), "
+        "part of the others; step: one plain decoding step",
     )
-    for col in ("dataset", "method", "rounds", "draft", "verify", "host", "Python", "total"):
+    cols = ("dataset", "method", "rounds", "draft", "verify", "host", "Python", "grammar", "total")
+    for col in cols:
         table.add_column(col, justify="left" if col in ("dataset", "method") else "right")
     table.add_column("plain steps", justify="right")
     steps = {}
@@ -242,6 +257,7 @@ def print_profile(results: dict[str, Any], console) -> None:
             ms("time_verify_s"),
             ms("time_other_s"),
             ms("time_build_s"),
+            ms("time_grammar_s"),
             f"{1000 * total:.2f}",
             "-" if not step else f"{total / step:.2f}",
         )

@@ -6,6 +6,7 @@ outputs are compared token for token (report.py) and speeds reported against mlx
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import time
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from ..engine.session import DEFAULT_LOOKUP, uses_drafter
 from ..errors import DFlashError
 from ..models.pair import load_pair
 from ..prompts import encode_prompt, stop_ids
-from .datasets import load_prompts
+from .datasets import load_grammars, load_prompts
 from .report import check_identical, speedups, summarize
 
 DEFAULT_METHODS = "mlx-lm,ar,dflash,ddtree:auto"
@@ -82,6 +83,8 @@ class Run:
     t_build: float | None = None
     draft_rounds: int = 0
     peak_memory: int = 0  # bytes MLX held at most during the run (weights included)
+    t_grammar: float | None = None  # inside the grammar library (structured output only)
+    valid: bool | None = None  # structured output: the answer is complete under its grammar
 
 
 def run_engine(
@@ -106,23 +109,28 @@ def run_engine(
         stats.t_other,
         stats.t_build,
         stats.draft_rounds,
+        t_grammar=stats.t_grammar if cfg.grammar is not None else None,
     )
 
 
 def run_mlx_lm(target, ids: list[int], cfg: GenerationConfig) -> Run:
-    """mlx-lm's own generate_step with its sampler: the reference everyone compares to."""
+    """mlx-lm's own generate_step with its sampler: the reference everyone compares to. Under
+    a grammar, plain constrained decoding: the grammar's mask as an mlx-lm logits processor."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
     s = cfg.sampling
     sampler = make_sampler(s.temperature, top_p=s.top_p if s.top_p < 1 else 0.0, top_k=s.top_k)
+    grammar = _grammar(target, cfg)
+    processors = [_mask_processor(grammar, len(ids))] if grammar is not None else None
     if cfg.seed is not None:
         mx.random.seed(cfg.seed)
     tokens: list[int] = []
     t0 = time.perf_counter()
     t_first = t_last = t0
-    gen = generate_step(mx.array(ids), target.model, max_tokens=cfg.max_tokens, sampler=sampler)
+    gen = generate_step(mx.array(ids), target.model, max_tokens=cfg.max_tokens, sampler=sampler,
+                        logits_processors=processors)  # fmt: skip
     try:
         for tok, _ in gen:
             t_last = time.perf_counter()
@@ -134,7 +142,45 @@ def run_mlx_lm(target, ids: list[int], cfg: GenerationConfig) -> Run:
     finally:
         gen.close()
     n = len(tokens)
-    return Run(tokens, len(ids), t_first - t0, t_last - t_first, [1] * max(n - 1, 0))
+    run = Run(tokens, len(ids), t_first - t0, t_last - t_first, [1] * max(n - 1, 0))
+    run.t_grammar = grammar.seconds if grammar is not None else None
+    return run
+
+
+def _grammar(target, cfg: GenerationConfig):
+    from ..engine.grammar import compile_grammar
+
+    if cfg.grammar is None:
+        return None
+    return compile_grammar(cfg.grammar, target.tokenizer, target.vocab_size, cfg.stop_ids)
+
+
+def _mask_processor(grammar, prompt_len: int):
+    """An mlx-lm logits processor: consume the tokens sampled since the last call, mask the
+    logits to what the grammar allows next."""
+    import mlx.core as mx
+
+    seen = [prompt_len]
+
+    def process(tokens, logits):
+        grammar.accept(tokens[seen[0] :].tolist())
+        seen[0] = len(tokens)
+        return mx.where(mx.array(grammar.mask()), logits, -mx.inf)
+
+    return process
+
+
+def check_valid(target, cfg: GenerationConfig, tokens: list[int]) -> bool | None:
+    """Structured output: the answer ended (a stop token) with its grammar complete, checked
+    by a fresh matcher (llguidance's own validator). None without a grammar."""
+    grammar = _grammar(target, cfg)
+    if grammar is None:
+        return None
+    body = tokens[:-1] if tokens and tokens[-1] in cfg.stop_ids else None
+    if body is None or grammar.matcher.validate_tokens(body) != len(body):
+        return False
+    grammar.accept(body)
+    return bool(grammar.matcher.is_accepting())
 
 
 def run_method(
@@ -150,6 +196,7 @@ def run_method(
         cfg = GenerationConfig(**{**vars(cfg), **changes})
         run = run_engine(target, runner, ids, cfg, session)
     run.peak_memory = mx.get_peak_memory()
+    run.valid = check_valid(target, cfg, run.tokens)
     return run
 
 
@@ -222,6 +269,7 @@ def run_bench(
     if not names:
         raise DFlashError("--dataset names no dataset.")
     prompt_sets = {n: load_prompts(n, data_dir, limit) for n in names}
+    grammars = {n: load_grammars(n, len(ps)) for n, ps in prompt_sets.items()}
     needs_drafter = any(uses_drafter(m.mode) for m in meths)
     target, runner = load_pair(model, drafter, "dflash" if needs_drafter else "ar")
     tok = target.tokenizer
@@ -241,8 +289,10 @@ def run_bench(
     )
     total = sum(len(v) for v in encoded.values()) * len(meths)
     update = progress(total) if progress else None
-    _warm_up(meths, target, runner, next(iter(encoded.values()))[0], cfg, update)
-    runs, outputs = _run_all(meths, target, runner, encoded, cfg, bool(context), update)
+    first = next(iter(encoded))
+    warm = dataclasses.replace(cfg, grammar=grammars[first][0])
+    _warm_up(meths, target, runner, encoded[first][0], warm, update)
+    runs, outputs = _run_all(meths, target, runner, encoded, grammars, cfg, bool(context), update)
     rows = [
         {"dataset": n, "method": m.label, **summarize(runs[n][m.label])}
         for n in encoded
@@ -279,17 +329,21 @@ def _warm_up(meths, target, runner, ids: list[int], cfg: GenerationConfig, updat
         run_method(m, target, runner, ids[-64:], warm)
 
 
-def _run_all(meths, target, runner, encoded: dict, cfg: GenerationConfig, shared_prefill, update):
+def _run_all(
+    meths, target, runner, encoded: dict, grammars: dict, cfg: GenerationConfig, shared, update
+):
     """Every method on every prompt: (runs by set and method, outputs by set, prompt, method).
-    With `shared_prefill`, our engine's methods share one Session (one prefill) per prompt."""
+    With `shared`, our engine's methods share one Session (one prefill) per prompt. A prompt
+    with a grammar (grammars[set][i]) is answered under it by every method."""
     runs: dict[str, dict[str, list[Run]]] = {n: {m.label: [] for m in meths} for n in encoded}
     outputs: dict[str, list[dict[str, list[int]]]] = {n: [] for n in encoded}
     for name, prompts in encoded.items():
         for i, ids in enumerate(prompts):
             outputs[name].append({})
-            shared = Session(target, runner) if shared_prefill else None
+            session = Session(target, runner) if shared else None
+            one = dataclasses.replace(cfg, grammar=grammars[name][i])
             for m in meths:
-                run = run_method(m, target, runner, ids, cfg, shared)
+                run = run_method(m, target, runner, ids, one, session)
                 runs[name][m.label].append(run)
                 outputs[name][i][m.label] = run.tokens
                 if update:
