@@ -56,8 +56,9 @@ def target(tmp_path_factory):
     return t
 
 
-def reference(target, spec: GrammarSpec, n=N, sampler=None, seed=None):
-    """mlx-lm's plain decoding with llguidance's bitmask applied to every step's logits."""
+def reference(target, spec: GrammarSpec, n=N, sampler=None, seed=None, vectors=None):
+    """mlx-lm's plain decoding with llguidance's bitmask applied to every step's logits
+    (`vectors`, when a list, receives each step's log-probabilities, mask applied)."""
     lt = llguidance.hf.from_tokenizer(
         target.tokenizer._tokenizer,
         n_vocab=target.vocab_size,
@@ -87,10 +88,12 @@ def reference(target, spec: GrammarSpec, n=N, sampler=None, seed=None):
     sampler = sampler or (lambda x: mx.argmax(x, axis=-1))
     out = []
     stops = stop_ids(target.tokenizer)
-    for t, _ in generate_step(
+    for t, lp in generate_step(
         mx.array(PROMPT), target.model, max_tokens=n, sampler=sampler, logits_processors=[processor]
     ):
         out.append(int(t))
+        if vectors is not None:
+            vectors.append(np.array(lp))
         if int(t) in stops:
             break
     return out
@@ -335,3 +338,21 @@ def test_generate_flags(run_cli, tmp_path):
     ]:
         code, _, err = run_cli("generate", "-p", "Hi", "-n", "5", *args)
         assert code != 0 and msg in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("mode, budget", [("ar", 16), ("dflash", 16), ("ddtree", 6)])
+def test_logprobs_under_a_grammar_are_mlx_lms_masked_ones(target, mode, budget):
+    """mlx-lm reports log-probabilities after its logits processors: under a grammar, of the
+    masked distribution; so do we, in every round kind."""
+    vectors: list = []
+    want = reference(target, SPEC, vectors=vectors)
+    drafter = None
+    if mode != "ar":
+        drafter = OracleDrafter(PROMPT + want, target.vocab_size, block_size=8, corrupt=0.3, seed=1)
+        target.set_taps([1, 3])
+    got, rounds = run(target, drafter, mode=mode, budget=budget, logprobs=3)
+    lps = [x for r in rounds for x in (r.logprobs or [])]
+    assert got == want and len(lps) == len(want)
+    for (chosen, top), t, vec in zip(lps, want, vectors, strict=True):
+        assert abs(chosen - float(vec[t])) < 1e-4
+        assert all(np.isfinite(v) and abs(v - float(vec[i])) < 1e-4 for i, v in top)

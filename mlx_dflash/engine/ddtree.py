@@ -68,8 +68,9 @@ class DDTree:
         t_build += time.perf_counter() - t1
         mx.eval(logits if taps is None else (logits, taps))
         t2 = time.perf_counter()
+        masks: list | None = [] if self.logprobs is not None else None
         if self.grammar is not None:
-            path, bonus = grammar_walk(tree, logits, self.sampling, rng, self.grammar)
+            path, bonus = grammar_walk(tree, logits, self.sampling, rng, self.grammar, masks)
         else:
             path, bonus = walk(tree, logits, self.sampling, rng)
         *path, bonus = session.world.agree_seq([*path, bonus]).tolist()
@@ -77,7 +78,9 @@ class DDTree:
         out = [int(tree.tokens[i]) for i in path[1:]] + [bonus]
         if self.grammar is not None:
             self.grammar.accept(out)
-        lps = None if self.logprobs is None else token_logprobs(logits, path, out, self.logprobs)
+        lps = None
+        if self.logprobs is not None:
+            lps = token_logprobs(logits, path, out, self.logprobs, masks or None)
         for chain in chains:
             self.lookup_stats.record(chain, out)
         t3 = time.perf_counter()

@@ -300,16 +300,26 @@ def prune_tree(tree: Tree, grammar: Grammar) -> tuple[Tree, int]:
     return out, len(tree.tokens) - len(keep)
 
 
-def grammar_walk(tree: Tree, logits: mx.array, sampling: SamplingParams, rng, grammar: Grammar):
+def grammar_walk(
+    tree: Tree,
+    logits: mx.array,
+    sampling: SamplingParams,
+    rng,
+    grammar: Grammar,
+    masks: list | None = None,
+):
     """tree.walk with the target's logits masked by the grammar at every node it visits (the
     only rows whose choice matters): (accepted node path incl. root, bonus token). Greedy reads
     the rows' unmasked argmax in one transfer and computes a mask only where the grammar
-    forbids it. The grammar is left at the emitted tokens (the caller accepts the output)."""
+    forbids it. The grammar is left at the emitted tokens (the caller accepts the output).
+    `masks`, when given, receives each visited node's mask (for log-probabilities)."""
     kids = tree.children()
     choice = np.array(mx.argmax(logits, axis=-1)) if sampling.greedy else None
     path: list[int] = [0]
     while True:
         cur = path[-1]
+        if masks is not None:
+            masks.append(grammar.mask())
         argmax = None if choice is None else int(choice[cur])
         x = grammar.pick(logits[cur], argmax, sampling, rng)
         nxt = kids[cur].get(x)

@@ -78,12 +78,14 @@ def generate_rounds(session: Session, prompt: list[int], cfg: GenerationConfig) 
             return
         t0 = time.perf_counter()
         last = session.agree([_pick(logits, cfg.sampling, rng, grammar)])[0]
+        masks = None
         if grammar is not None:
+            masks = [grammar.mask()] if cfg.logprobs is not None else None
             grammar.accept([last])
             first.t_grammar = grammar.seconds
         first.tokens, first.accepted, first.t_other = [last], 1, time.perf_counter() - t0
         if cfg.logprobs is not None:
-            first.logprobs = token_logprobs(logits, [0], [last], cfg.logprobs)
+            first.logprobs = token_logprobs(logits, [0], [last], cfg.logprobs, masks)
         emitted = _finish(first, 0, cfg)
         yield first
         if first.finished:

@@ -57,18 +57,22 @@ def prefill(session: Session, prompt: list[int], cfg: GenerationConfig) -> tuple
     return logits, Round([], 0, 0, prefill=True, prefill_tokens=len(new), t_prefill=dt)
 
 
-def token_logprobs(logits: mx.array, rows, tokens: list[int], k: int):
+def token_logprobs(logits: mx.array, rows, tokens: list[int], k: int, masks=None):
     """The emitted tokens' log-probabilities under the target, from the rows of the verify's
-    logits that chose them (log-softmax of the raw logits, as mlx-lm's generate_step reports),
+    logits that chose them (log-softmax of the logits, as mlx-lm's generate_step reports: after
+    its logits processors, so under a grammar the masked ones, `masks` (len(rows), V) bool),
     with the top k alternatives at each, best first. One sync, taken only when asked."""
     x = logits[mx.array(np.asarray(rows, dtype=np.int32))].astype(mx.float32)
+    if masks is not None:
+        x = mx.where(mx.array(np.asarray(masks)), x, -mx.inf)
     lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
     chosen = mx.take_along_axis(lp, mx.array(tokens, dtype=mx.int32)[:, None], axis=-1)[:, 0]
     top = mx.argsort(-lp, axis=-1)[:, :k] if k else mx.zeros((len(tokens), 0), dtype=mx.int32)
     top_lp = mx.take_along_axis(lp, top, axis=-1)
     mx.eval(chosen, top, top_lp)
+    # (a token a grammar forbids is no alternative: its -inf is dropped)
     alternatives = [
-        list(zip(t, v, strict=True))
+        [(a, b) for a, b in zip(t, v, strict=True) if b != -np.inf]
         for t, v in zip(np.array(top).tolist(), np.array(top_lp).tolist(), strict=True)
     ]
     return list(zip(np.array(chosen).tolist(), alternatives, strict=True))
@@ -180,10 +184,11 @@ def plain_round(
     )
     tok = session.agree([_pick(logits, sampling, rng, grammar)])[0]
     session.commit([last], taps)
+    masks = [grammar.mask()] if grammar is not None and logprobs is not None else None
     if grammar is not None:
         grammar.accept([tok])
     lps = None
     if logprobs is not None:
         assert logits is not None
-        lps = token_logprobs(logits, [0], [tok], logprobs)
+        lps = token_logprobs(logits, [0], [tok], logprobs, masks)
     return Round([tok], 1, 0, t_verify=time.perf_counter() - t0, logprobs=lps)
