@@ -28,6 +28,7 @@ from test_tools import ASK, WEATHER
 from tool_models import qwen25_header, write_qwen25_tool_model
 
 from mlx_dflash.prompts import stop_ids
+from mlx_dflash.server.structured import tool_grammar
 
 openai = pytest.importorskip("openai", reason="the openai client is a dev dependency")
 
@@ -173,3 +174,46 @@ def test_bad_formats_are_a_400_with_the_reason(client, extra, match):
         client.chat.completions.create(model="tiny", messages=ASK, max_tokens=5, extra_body=extra)
     r = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=2)
     assert r.choices[0].finish_reason == "length"  # the server keeps serving
+
+
+def test_strict_tools_under_auto_constrain_calls_and_leave_text_free(served, client):
+    """tool_choice auto: text stays free (a random model writes text), and a call, when the
+    answer makes one, is valid; the grammar itself lets text end the answer, or open calls."""
+    from mlx_dflash.engine.grammar import compile_grammar
+    from mlx_dflash.server.tools import parse_tools
+
+    app = served[0]
+    r = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=12,
+                                       tools=[STRICT, TIME])  # fmt: skip
+    assert r.choices[0].message.content and r.choices[0].finish_reason == "length"
+    tools = parse_tools({"tools": [STRICT, TIME]})
+    spec = tool_grammar(app.tokenizer, tools, {"get_weather", "get_time"})
+    tok = app.tokenizer
+    end = sorted(stop_ids(tok))[0]
+
+    def accepts(text: str) -> bool:
+        g = compile_grammar(spec, tok, app.target.vocab_size, stop_ids(tok))
+        ids = tok.encode(text, add_special_tokens=False) + [end]
+        return g.matcher.validate_tokens(ids) == len(ids)
+
+    good = 'Sure.<tool_call>\n{"name": "get_time", "arguments": {"zone":"UTC"}}\n</tool_call>'
+    assert accepts("Just text, no call.") and accepts(good)
+    again = good.removeprefix("Sure.")
+    assert accepts(good + "\n" + again)  # parallel calls
+    assert not accepts(good.replace('"UTC"', '"PST"'))  # an argument outside its enum
+    tools.parallel = False
+    spec = tool_grammar(app.tokenizer, tools, {"get_weather", "get_time"})
+    assert not accepts(good + "\n" + again)
+
+
+def test_anthropic_strict_tool(served):
+    anthropic = pytest.importorskip("anthropic", reason="the anthropic client is a dev dependency")
+    claude = anthropic.Anthropic(base_url=served[1], api_key="none", max_retries=0)
+    f = STRICT["function"]
+    tool = {"name": f["name"], "description": f["description"], "input_schema": f["parameters"],
+            "strict": True}  # fmt: skip
+    r = claude.messages.create(model="tiny", max_tokens=80, messages=ASK, tools=[tool],
+                               tool_choice={"type": "tool", "name": f["name"]})  # fmt: skip
+    use = [b for b in r.content if b.type == "tool_use"]
+    assert r.stop_reason == "tool_use" and len(use) == 1
+    jsonschema.validate(use[0].input, f["parameters"])

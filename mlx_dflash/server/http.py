@@ -136,18 +136,21 @@ class App:
             s.top_k if req.top_k is None else int(req.top_k),
         )
         cfg = job_config(self.base, max_tokens=max_tokens, sampling=sampling, seed=req.seed,
-                         logprobs=req.logprobs, grammar=self._grammar(req))  # fmt: skip
+                         logprobs=req.logprobs, grammar=self._grammar(req, thinking))  # fmt: skip
         tags = self.tags or ("<think>", "</think>")
         tools = req.tools if req.kind != "completion" else None
         return Job(ids, cfg, req.stop, thinking, tags, tools, inside if tools else None)
 
-    def _grammar(self, req: P.Request):
+    def _grammar(self, req: P.Request, thinking: bool | None):
         """What the answer must follow: a forced call's strict arguments, else the requested
         format; compiled here so that a bad schema is a 400 before anything streams."""
         tools = req.tools if req.kind != "completion" else None
         spec, param = req.grammar, {"chat": "response_format", "responses": "text.format",
                                     "messages": "output_format"}.get(req.kind, "")  # fmt: skip
-        if tools is not None and tools.choice in ("required", "function"):
+        forced = tools is not None and tools.choice in ("required", "function")
+        # Under auto, strict calls follow free text; an answer that opens in a thinking block
+        # is left free (its markers are the template's, not the grammar's).
+        if forced or (tools is not None and req.strict and not thinking and spec is None):
             spec, param = tool_grammar(self.tokenizer, tools, req.strict), "tools"
         check_grammar(spec, self.target, self.base.stop_ids, param)
         return spec

@@ -68,14 +68,15 @@ def strict_names(body: dict, anthropic: bool) -> set[str]:
 
 
 def tool_grammar(tokenizer, tools: Tools, strict: set[str]) -> GrammarSpec | None:
-    """The grammar of a forced call's rest when its tools are strict: the answer continues the
-    forced prefix (tools.py's forced_prefix) with one call whose arguments are valid under the
-    function's parameters schema, then the end marker. None when nothing is strict or the call
-    is not forced (auto leaves the model free to answer in text).
+    """The grammar of the answer when some tools are strict: their calls' arguments are valid
+    under the function's parameters schema. A forced call (tools.py's forced_prefix already
+    opened it in the prompt) continues with exactly one call, then the end marker; under
+    `auto` the answer is free text, then any number of calls (one without parallel calls).
+    None when nothing is strict.
 
     Written for the JSON-in-markers family (`json_tools`: Qwen2.5/3, Hermes): other families
     write arguments in their own markup, which a JSON schema does not describe."""
-    if not strict or tools.choice not in ("required", "function"):
+    if not strict or tools.choice == "none":
         return None
     family = parser_family(tokenizer)
     if family != "json_tools":
@@ -86,20 +87,26 @@ def tool_grammar(tokenizer, tools: Tools, strict: set[str]) -> GrammarSpec | Non
             param="tools",
         )
     specs = {s["function"]["name"]: s["function"]["parameters"] for s in tools.specs}
-    end = _literal(tokenizer, tokenizer.tool_call_end)
-
-    def args(name: str) -> str:
-        schema = specs[name] if name in strict else {"type": "object"}
-        return f"%json {json.dumps(schema)}"
-
+    start, end = (
+        _literal(tokenizer, m) for m in (tokenizer.tool_call_start, tokenizer.tool_call_end)
+    )
+    rules = [f"args_{i}: %json {json.dumps(specs[n] if n in strict else {'type': 'object'})}"
+             for i, n in enumerate(sorted(specs))]  # fmt: skip
+    index = {n: i for i, n in enumerate(sorted(specs))}
     if tools.choice == "function":
         assert tools.name is not None
-        return GrammarSpec("lark", f'start: args "}}\\n" {end}\nargs: {args(tools.name)}')
-    calls = [
-        f'"{{\\"name\\": \\"{name}\\", \\"arguments\\": " {args(name)} "}}"'
-        for name in sorted(specs)
-    ]
-    return GrammarSpec("lark", f'start: "\\n" call "\\n" {end}\ncall: ' + " | ".join(calls))
+        head = f'start: args_{index[tools.name]} "}}\\n" {end}'
+        return GrammarSpec("lark", "\n".join([head, *rules]))
+    call = " | ".join(
+        f'"{{\\"name\\": \\"{n}\\", \\"arguments\\": " args_{index[n]} "}}"' for n in sorted(specs)
+    )
+    if tools.choice == "required":
+        head = [f'start: "\\n" call "\\n" {end}']
+    else:
+        one = f'{start} "\\n" call "\\n" {end}'
+        calls = f"({one} WS?)+" if tools.parallel else one
+        head = ["start: TEXT? calls?", f"calls: {calls}", "TEXT: /(?s:.+)/", "WS: /[ \\n]+/"]
+    return GrammarSpec("lark", "\n".join([*head, f"call: {call}", *rules]))
 
 
 def _literal(tokenizer, text: str) -> str:
