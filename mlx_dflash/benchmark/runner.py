@@ -264,10 +264,7 @@ def run_bench(
     """
     asked = {k: v for k, v in locals().items() if k not in ("model", "drafter", "data_dir")}
     meths = parse_methods(methods)
-    names = [d.strip() for d in ([datasets] if isinstance(datasets, str) else datasets)]
-    names = [n for x in names for n in x.split(",") if n.strip()]
-    if not names:
-        raise DFlashError("--dataset names no dataset.")
+    names = _dataset_names(datasets)
     prompt_sets = {n: load_prompts(n, data_dir, limit) for n in names}
     grammars = {n: load_grammars(n, len(ps)) for n, ps in prompt_sets.items()}
     needs_drafter = any(uses_drafter(m.mode) for m in meths)
@@ -289,9 +286,8 @@ def run_bench(
     )
     total = sum(len(v) for v in encoded.values()) * len(meths)
     update = progress(total) if progress else None
-    first = next(iter(encoded))
-    warm = dataclasses.replace(cfg, grammar=grammars[first][0])
-    _warm_up(meths, target, runner, encoded[first][0], warm, update)
+    first = next(iter(encoded))  # (its first prompt's grammar warms llguidance's tokenizer)
+    _warm_up(meths, target, runner, encoded[first][0], cfg, grammars[first][0], update)
     runs, outputs = _run_all(meths, target, runner, encoded, grammars, cfg, bool(context), update)
     rows = [
         {"dataset": n, "method": m.label, **summarize(runs[n][m.label])}
@@ -319,10 +315,19 @@ def run_bench(
     }
 
 
-def _warm_up(meths, target, runner, ids: list[int], cfg: GenerationConfig, update) -> None:
-    """Compile paths, allocate caches, measure the DDTree auto profile, off the clock. A short
-    prompt does (a long context's prefill would double a long-context run)."""
-    warm = GenerationConfig(**{**vars(cfg), "max_tokens": min(cfg.max_tokens, WARMUP_TOKENS)})
+def _dataset_names(datasets: str | list[str]) -> list[str]:
+    names = [d.strip() for d in ([datasets] if isinstance(datasets, str) else datasets)]
+    names = [n for x in names for n in x.split(",") if n.strip()]
+    if not names:
+        raise DFlashError("--dataset names no dataset.")
+    return names
+
+
+def _warm_up(meths, target, runner, ids: list[int], cfg: GenerationConfig, grammar, update):
+    """Compile paths, allocate caches, measure the DDTree auto profile, build llguidance's view
+    of the tokenizer, off the clock. A short prompt does (a long context's prefill would double
+    a long-context run)."""
+    warm = dataclasses.replace(cfg, max_tokens=min(cfg.max_tokens, WARMUP_TOKENS), grammar=grammar)
     for m in meths:
         if update:
             update(f"warming up {m.label}", 0)
