@@ -356,3 +356,22 @@ def test_logprobs_under_a_grammar_are_mlx_lms_masked_ones(target, mode, budget):
     for (chosen, top), t, vec in zip(lps, want, vectors, strict=True):
         assert abs(chosen - float(vec[t])) < 1e-4
         assert all(np.isfinite(v) and abs(v - float(vec[i])) < 1e-4 for i, v in top)
+
+
+def test_the_mask_decides_not_validate_tokens(target):
+    """llguidance's validate_tokens accepts some splits its mask refuses (after '{"attend' only
+    the canonical 'ee' is in the mask, yet 'e' validates): plain constrained decoding follows
+    the mask, so a row whose unmasked argmax is such a token must not be taken at its word."""
+    schema = {"type": "object", "properties": {"attendees": {"type": "integer"}},
+              "required": ["attendees"], "additionalProperties": False,
+              "x-guidance": {"whitespace_flexible": False}}  # fmt: skip
+    g = compile_grammar(GrammarSpec.json_schema(schema), target.tokenizer, target.vocab_size)
+    g.accept(target.tokenizer.encode('{"attend'))
+    mask = g.mask()
+    split = [v for v in range(target.vocab_size) if g.allows(v) and not mask[v]]
+    assert split, "the tokenizer no longer shows the case this test guards"
+    row = np.zeros(target.vocab_size, dtype=np.float32)
+    row[split[0]] = 5.0
+    row[np.nonzero(mask)[0][0]] = 4.0
+    pick = g.pick(mx.array(row), split[0], SamplingParams(), None)
+    assert pick == int(np.nonzero(mask)[0][0]) and mask[pick]

@@ -191,13 +191,17 @@ class Grammar:
         masked distribution (sampling), exactly as a plain constrained decoding step.
 
         `argmax` (the row's unmasked argmax, read back with the round's other choices) is the
-        masked one whenever the grammar allows it, and then no mask is computed."""
+        masked one whenever the mask allows it, and then the row is never read. The mask, not
+        `allows`, decides: llguidance's `validate_tokens` accepts some tokens its mask refuses
+        (a non-canonical split of a fixed key: "attend" + "ee" + "s"), and plain constrained
+        decoding follows the mask."""
+        mask = self.mask()
         if sampling.greedy:
-            if argmax is not None and self.allows(argmax):
+            if argmax is not None and mask[argmax]:
                 return argmax
             x = np.array(row.astype(mx.float32))
-            return int(np.argmax(np.where(self.mask(), x, -np.inf)))
-        masked = mx.where(mx.array(self.mask()), row, -mx.inf)
+            return int(np.argmax(np.where(mask, x, -np.inf)))
+        masked = mx.where(mx.array(mask), row, -mx.inf)
         return draw(token_probs(masked[None], sampling)[0], rng)
 
 
@@ -309,9 +313,10 @@ def grammar_walk(
     masks: list | None = None,
 ):
     """tree.walk with the target's logits masked by the grammar at every node it visits (the
-    only rows whose choice matters): (accepted node path incl. root, bonus token). Greedy reads
-    the rows' unmasked argmax in one transfer and computes a mask only where the grammar
-    forbids it. The grammar is left at the emitted tokens (the caller accepts the output).
+    only rows whose choice matters): (accepted node path incl. root, bonus token). One mask per
+    visited node; greedy reads the rows' unmasked argmax in one transfer and a row itself only
+    where the mask refuses it. The grammar is left at the emitted tokens (the caller accepts
+    the output).
     `masks`, when given, receives each visited node's mask (for log-probabilities)."""
     kids = tree.children()
     choice = np.array(mx.argmax(logits, axis=-1)) if sampling.greedy else None
