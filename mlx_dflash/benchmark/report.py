@@ -40,6 +40,9 @@ def summarize(runs: list[Run]) -> dict[str, Any]:
         # structured output: answers complete and valid under their grammar, and its time
         "valid": sum(checked) / len(checked) if checked else None,
         "time_grammar_s": sum(grammar) if grammar else None,
+        "grammar_pruned": sum(r.grammar[0] for r in runs),
+        "grammar_drafts": sum(r.grammar[1] for r in runs),
+        "grammar_drafts_accepted": sum(r.grammar[2] for r in runs),
         "mean_tau": sum(taus) / len(taus) if taus else 0.0,
         "mean_tau_per_response": sum(per_response) / len(per_response) if per_response else 0.0,
         "tau_histogram": {str(k): v for k, v in sorted(Counter(taus).items())},

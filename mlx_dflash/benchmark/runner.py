@@ -84,6 +84,7 @@ class Run:
     draft_rounds: int = 0
     peak_memory: int = 0  # bytes MLX held at most during the run (weights included)
     t_grammar: float | None = None  # inside the grammar library (structured output only)
+    grammar: tuple[int, int, int] = (0, 0, 0)  # candidates pruned, certain drafts, taken
     valid: bool | None = None  # structured output: the answer is complete under its grammar
 
 
@@ -110,6 +111,7 @@ def run_engine(
         stats.t_build,
         stats.draft_rounds,
         t_grammar=stats.t_grammar if cfg.grammar is not None else None,
+        grammar=(stats.grammar_pruned, stats.grammar_drafts, stats.grammar_drafts_accepted),
     )
 
 
