@@ -109,7 +109,7 @@ def compile_grammar(spec: GrammarSpec, tokenizer: Any, vocab_size: int, stop_ids
     matcher = llguidance.LLMatcher(lt, text, log_level=0)
     if matcher.is_error():
         raise DFlashError(f"The grammar cannot be compiled: {matcher.get_error()}")
-    return Grammar(matcher, vocab_size)
+    return Grammar(matcher, vocab_size, stop_ids)
 
 
 class Grammar:
@@ -120,9 +120,10 @@ class Grammar:
     grammar (forced) drafts put in trees, and the masks computed.
     """
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, stop_ids=()):
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.stops = frozenset(int(t) for t in stop_ids)
         self.words = (vocab_size + 31) // 32
         self.branch: list[int] = []  # tokens consumed beyond the emitted ones (a draft branch)
         self.masks = 0
@@ -137,6 +138,10 @@ class Grammar:
 
     # -- the state -----------------------------------------------------------------------
     def allows(self, token: int) -> bool:
+        # llguidance's validate_tokens refuses the end token even where its mask (and
+        # consume_token) take it: the grammar is complete there.
+        if int(token) in self.stops:
+            return bool(self._ll(self.matcher.is_accepting))
         return self._ll(self.matcher.validate_tokens, [int(token)]) == 1
 
     def push(self, token: int) -> bool:
@@ -240,6 +245,8 @@ def grammar_tree(
         return len(tok) - 1
 
     def expand(node: int) -> None:
+        if node and tok[node] in grammar.stops:  # nothing follows the end of the answer
+            return
         grammar.goto(paths[node])
         for t in grammar.forced(min(budget + 1 - len(tok), room - dep[node])):
             node = add(t, node, lps[node], True)
@@ -328,7 +335,7 @@ def grammar_walk(
         argmax = None if choice is None else int(choice[cur])
         x = grammar.pick(logits[cur], argmax, sampling, rng)
         nxt = kids[cur].get(x)
-        if nxt is None:
+        if nxt is None or x in grammar.stops:  # the answer ends: it is the bonus token
             grammar.goto([])
             return path, x
         grammar.push(x)
