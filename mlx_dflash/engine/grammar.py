@@ -116,15 +116,14 @@ class Grammar:
     """One generation's grammar state: llguidance's matcher after the tokens emitted so far.
 
     Tree building moves the matcher down a draft branch and back (`goto`); every caller leaves
-    it at the emitted tokens (`depth` 0). Counters feed Round / Stats: tree nodes pruned,
-    grammar (forced) drafts put in trees, and the masks computed.
+    it at the emitted tokens (an empty `branch`). `masks` and `seconds` count the masks
+    computed and the time inside llguidance (Round.t_grammar, bench --profile).
     """
 
     def __init__(self, matcher, vocab_size: int, stop_ids=()):
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.stops = frozenset(int(t) for t in stop_ids)
-        self.words = (vocab_size + 31) // 32
         self.branch: list[int] = []  # tokens consumed beyond the emitted ones (a draft branch)
         self.masks = 0
         self.seconds = 0.0  # inside llguidance: the grammar's cost (bench --profile reports it)
