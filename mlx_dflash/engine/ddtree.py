@@ -14,7 +14,7 @@ import numpy as np
 
 from .budget import AutoBudget, FixedBudget
 from .contract import Drafter
-from .grammar import Grammar, constrain, grammar_tree, grammar_walk, prune_tree
+from .grammar import Grammar, grammar_tree, grammar_walk, prune_tree, with_certain_run
 from .lattice import lattice_tree
 from .lookup import LookupStats, PromptLookup
 from .rounds import plain_round, token_logprobs
@@ -107,14 +107,15 @@ class DDTree:
         nodes the grammar pruned), agreed over the ranks of a sharded target. Not `drafting`
         (auto's pause), only a grammar's certain run is drafted."""
         tree, t_build, pruned, grammar = root_only(last), 0.0, 0, self.grammar
+        limit = min(room, self.policy.max_budget)
         if not drafting:
             if grammar is not None:
-                tree, _ = constrain(tree, grammar, room, self.policy.max_budget)
+                tree = with_certain_run(tree, grammar, limit)
             return _agree_tree(self.session, tree, 1)[0], 1, [], 0.0, 0
         if self.drafter is not None:
             tree, t_build, pruned = self._drafter_tree(self.drafter, last, start, n, room)
         elif grammar is not None:
-            tree, _ = constrain(tree, grammar, room, self.policy.max_budget)
+            tree = with_certain_run(tree, grammar, limit)
         n_drafted = len(tree.tokens)
         chains = self._lookup_chains(tree, last, room) if self.lookup is not None else []
         tree = graft(tree, chains)
@@ -141,8 +142,11 @@ class DDTree:
             if grammar is None:
                 return self.policy.cut(tree), t_build, 0
             tree, pruned = prune_tree(tree, grammar)
-            tree, _ = constrain(self.policy.cut(tree), grammar, room, max_b)
-            return tree, t_build, pruned
+            return (
+                with_certain_run(self.policy.cut(tree), grammar, min(room, max_b)),
+                t_build,
+                pruned,
+            )
         if grammar is None:
             cand_tok, cand_lp = top_candidates(proposal.logits, k)
             return self.policy.cut(build_tree(last, cand_tok, cand_lp, max_b)), t_build, 0

@@ -116,8 +116,8 @@ class Grammar:
     """One generation's grammar state: llguidance's matcher after the tokens emitted so far.
 
     Tree building moves the matcher down a draft branch and back (`goto`); every caller leaves
-    it at the emitted tokens (an empty `branch`). `masks` and `seconds` count the masks
-    computed and the time inside llguidance (Round.t_grammar, bench --profile).
+    it at the emitted tokens (an empty `branch`). `seconds` counts the time inside llguidance
+    (Round.t_grammar, bench --profile).
     """
 
     def __init__(self, matcher, vocab_size: int, stop_ids=()):
@@ -125,7 +125,6 @@ class Grammar:
         self.vocab_size = vocab_size
         self.stops = frozenset(int(t) for t in stop_ids)
         self.branch: list[int] = []  # tokens consumed beyond the emitted ones (a draft branch)
-        self.masks = 0
         self.seconds = 0.0  # inside llguidance: the grammar's cost (bench --profile reports it)
 
     def _ll(self, fn, *args):
@@ -186,11 +185,12 @@ class Grammar:
     def mask(self) -> np.ndarray:
         """The allowed tokens here, as a bool vector over the target's vocabulary."""
         bits = np.frombuffer(self._ll(self.matcher.compute_bitmask), dtype=np.uint8)
-        self.masks += 1
         return np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
 
     # -- picking under the mask --------------------------------------------------------
-    def pick(self, row: mx.array, argmax: int | None, sampling: SamplingParams, rng) -> int:
+    def pick(
+        self, row: mx.array, argmax: int | None, sampling: SamplingParams, rng, mask=None
+    ) -> int:
         """The target's token here under the mask: masked argmax (greedy) or a draw from the
         masked distribution (sampling), exactly as a plain constrained decoding step.
 
@@ -198,8 +198,8 @@ class Grammar:
         masked one whenever the mask allows it, and then the row is never read. The mask, not
         `allows`, decides: llguidance's `validate_tokens` accepts some tokens its mask refuses
         (a non-canonical split of a fixed key: "attend" + "ee" + "s"), and plain constrained
-        decoding follows the mask."""
-        mask = self.mask()
+        decoding follows the mask. `mask`: this state's, when the caller has it already."""
+        mask = self.mask() if mask is None else mask
         if sampling.greedy:
             if argmax is not None and mask[argmax]:
                 return argmax
@@ -277,13 +277,12 @@ def grammar_tree(
     return tree.prefix(min(len(tok), budget + 1)), pruned
 
 
-def constrain(tree: Tree, grammar: Grammar, room: int, budget: int) -> tuple[Tree, int]:
-    """A tree built without the grammar (a DFlash 2 lattice, lookup branches) under it: the
-    nodes the grammar forbids pruned, the root's forced run grafted as certain drafts.
-    Returns (tree, nodes pruned)."""
-    tree, pruned = prune_tree(tree, grammar)
-    run = grammar.forced(min(room, budget))
-    return (graft(tree, [run], certain=True) if run else tree), pruned
+def with_certain_run(tree: Tree, grammar: Grammar, limit: int) -> Tree:
+    """`tree` with the grammar's forced run at the root (at most `limit` tokens) grafted as
+    certain drafts: for trees built without the grammar (a DFlash 2 lattice, already pruned)
+    and for rounds without a drafter."""
+    run = grammar.forced(limit)
+    return graft(tree, [run], certain=True) if run else tree
 
 
 def prune_tree(tree: Tree, grammar: Grammar) -> tuple[Tree, int]:
@@ -329,10 +328,11 @@ def grammar_walk(
     path: list[int] = [0]
     while True:
         cur = path[-1]
+        mask = grammar.mask()
         if masks is not None:
-            masks.append(grammar.mask())
+            masks.append(mask)
         argmax = None if choice is None else int(choice[cur])
-        x = grammar.pick(logits[cur], argmax, sampling, rng)
+        x = grammar.pick(logits[cur], argmax, sampling, rng, mask)
         nxt = kids[cur].get(x)
         if nxt is None or x in grammar.stops:  # the answer ends: it is the bonus token
             grammar.goto([])

@@ -77,10 +77,10 @@ def generate_rounds(session: Session, prompt: list[int], cfg: GenerationConfig) 
             yield first
             return
         t0 = time.perf_counter()
-        last = session.agree([_pick(logits, cfg.sampling, rng, grammar)])[0]
-        masks = None
+        mask = grammar.mask() if grammar is not None else None
+        last = session.agree([_pick(logits, cfg.sampling, rng, grammar, mask)])[0]
+        masks = [mask] if mask is not None and cfg.logprobs is not None else None
         if grammar is not None:
-            masks = [grammar.mask()] if cfg.logprobs is not None else None
             grammar.accept([last])
             first.t_grammar = grammar.seconds
         first.tokens, first.accepted, first.t_other = [last], 1, time.perf_counter() - t0

@@ -78,11 +78,11 @@ def token_logprobs(logits: mx.array, rows, tokens: list[int], k: int, masks=None
     return list(zip(np.array(chosen).tolist(), alternatives, strict=True))
 
 
-def _pick(logits: mx.array | None, sampling: SamplingParams, rng, grammar=None) -> int:
+def _pick(logits: mx.array | None, sampling: SamplingParams, rng, grammar=None, mask=None) -> int:
     assert logits is not None
     if grammar is not None:
         argmax = int(cast(int, mx.argmax(logits[-1]).item())) if sampling.greedy else None
-        return grammar.pick(logits[-1], argmax, sampling, rng)
+        return grammar.pick(logits[-1], argmax, sampling, rng, mask)
     if sampling.greedy:
         return int(cast(int, mx.argmax(logits[-1]).item()))
     return draw(token_probs(logits[-1:], sampling)[0], rng)
@@ -182,9 +182,10 @@ def plain_round(
     logits, taps = session.target.forward(
         mx.array([last]), session.cache, len(session.tokens), taps=feed_drafter, rewindable=False
     )
-    tok = session.agree([_pick(logits, sampling, rng, grammar)])[0]
+    mask = grammar.mask() if grammar is not None else None
+    tok = session.agree([_pick(logits, sampling, rng, grammar, mask)])[0]
     session.commit([last], taps)
-    masks = [grammar.mask()] if grammar is not None and logprobs is not None else None
+    masks = [mask] if mask is not None and logprobs is not None else None
     if grammar is not None:
         grammar.accept([tok])
     lps = None
