@@ -56,9 +56,9 @@ def target(tmp_path_factory):
     return t
 
 
-def reference(target, spec: GrammarSpec, n=N, sampler=None, seed=None, vectors=None):
-    """mlx-lm's plain decoding with llguidance's bitmask applied to every step's logits
-    (`vectors`, when a list, receives each step's log-probabilities, mask applied)."""
+def library_processor(target, spec: GrammarSpec, prompt_len: int):
+    """An mlx-lm logits processor made of llguidance's own pieces (its matcher, its numpy
+    bitmask): the library's constrained decoding, independent of our engine/grammar.py."""
     lt = llguidance.hf.from_tokenizer(
         target.tokenizer._tokenizer,
         n_vocab=target.vocab_size,
@@ -72,7 +72,7 @@ def reference(target, spec: GrammarSpec, n=N, sampler=None, seed=None, vectors=N
     }[spec.kind]()
     matcher = llguidance.LLMatcher(lt, text, log_level=0)
     bitmask = allocate_token_bitmask(1, target.vocab_size)
-    seen = [len(PROMPT)]
+    seen = [prompt_len]
 
     def processor(tokens, logits):
         for t in np.array(tokens[seen[0] :]).tolist():
@@ -83,6 +83,13 @@ def reference(target, spec: GrammarSpec, n=N, sampler=None, seed=None, vectors=N
         apply_token_bitmask_inplace(x, bitmask)
         return mx.array(x)
 
+    return processor
+
+
+def reference(target, spec: GrammarSpec, n=N, sampler=None, seed=None, vectors=None):
+    """mlx-lm's plain decoding with llguidance's bitmask applied to every step's logits
+    (`vectors`, when a list, receives each step's log-probabilities, mask applied)."""
+    processor = library_processor(target, spec, len(PROMPT))
     if seed is not None:
         mx.random.seed(seed)
     sampler = sampler or (lambda x: mx.argmax(x, axis=-1))

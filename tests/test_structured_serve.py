@@ -12,21 +12,15 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import llguidance
-import llguidance.hf
 import mlx.core as mx
-import numpy as np
 import pytest
-from llguidance.numpy import (
-    allocate_token_bitmask,
-    apply_token_bitmask_inplace,
-    fill_next_token_bitmask,
-)
 from mlx_lm.generate import generate_step
+from test_grammar import library_processor
 from test_serve import serving
 from test_tools import ASK, WEATHER
 from tool_models import qwen25_header, write_qwen25_tool_model
 
+from mlx_dflash.engine.grammar import GrammarSpec
 from mlx_dflash.prompts import stop_ids
 from mlx_dflash.server.structured import tool_grammar
 
@@ -61,23 +55,8 @@ PERSON = {
 
 
 def constrained_reference(app, prompt_ids, schema, n):
+    proc = library_processor(app.target, GrammarSpec.json_schema(schema), len(prompt_ids))
     tok = app.tokenizer
-    lt = llguidance.hf.from_tokenizer(
-        tok._tokenizer, n_vocab=app.target.vocab_size, eos_token=sorted(stop_ids(tok))
-    )
-    m = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_json_schema(schema))
-    mask = allocate_token_bitmask(1, app.target.vocab_size)
-    seen = [len(prompt_ids)]
-
-    def proc(tokens, logits):
-        for t in np.array(tokens[seen[0] :]).tolist():
-            assert m.consume_token(int(t))
-        seen[0] = len(tokens)
-        fill_next_token_bitmask(m, mask)
-        x = np.array(logits.astype(mx.float32))
-        apply_token_bitmask_inplace(x, mask)
-        return mx.array(x)
-
     out = []
     for t, _ in generate_step(mx.array(prompt_ids), app.target.model, max_tokens=n,
                               sampler=lambda x: mx.argmax(x, axis=-1), logits_processors=[proc]):  # fmt: skip
