@@ -10,7 +10,7 @@ import pytest
 
 from mlx_dflash.checkpoints import convert as convert_mod
 from mlx_dflash.checkpoints import registry
-from mlx_dflash.checkpoints.registry import DRAFTERS, find_drafter
+from mlx_dflash.checkpoints.registry import DRAFTERS, PAIRS, base_name, find_drafter, refusal
 from mlx_dflash.checkpoints.resolve import cached_path, resolve_model
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.tiny import drafter_config_dict, write_drafter_checkpoint, write_tiny_target
@@ -29,7 +29,13 @@ def test_exact_ids(target):
         ("mlx-community/Qwen3-8B-bf16", "z-lab/Qwen3-8B-DFlash-b16"),
         ("mlx-community/Qwen3-8B-4bit-DWQ-053125", "z-lab/Qwen3-8B-DFlash-b16"),
         ("Qwen/Qwen3-4B-MLX-8bit", "z-lab/Qwen3-4B-DFlash-b16"),
-        ("mlx-community/Meta-Llama-3.1-8B-Instruct-4bit", "z-lab/LLaMA3.1-8B-Instruct-DFlash"),
+        (
+            "mlx-community/Meta-Llama-3.1-8B-Instruct-4bit",
+            "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",
+        ),
+        ("mlx-community/gemma-4-31b-it-4bit", "z-lab/gemma-4-31B-it-DFlash"),
+        ("zai-org/GLM-5.1-FP8", "z-lab/GLM-5.1-FP8-DFlash"),
+        ("mlx-community/gpt-oss-20b-MXFP4-Q8", "z-lab/gpt-oss-20b-DFlash"),
         ("mlx-community/Qwen3-Coder-30B-A3B-Instruct-6bit", "z-lab/Qwen3-Coder-30B-A3B-DFlash"),
         ("mlx-community/Qwen3.5-9B-MLX-4bit", "z-lab/Qwen3.5-9B-DFlash"),
         ("mlx-community/Qwen3.5-35B-A3B-mxfp4", "z-lab/Qwen3.5-35B-A3B-DFlash"),
@@ -204,15 +210,84 @@ def test_config_checked_before_any_weight_download(cache, hub, tmp_path, monkeyp
     assert calls == [] and configs == [c[0] for c in cases]
 
 
-def test_registry_lists_only_pairs_that_run():
-    from mlx_dflash.models.target import ARCHITECTURES
+PAIR_IDS = [f"{p.target}->{p.drafter}" for p in PAIRS]
 
-    assert find_drafter("mlx-community/Kimi-K2.5-4bit") == "z-lab/Kimi-K2.5-DFlash"
-    # Every listed target's family runs (tests/test_published.py runs each one; the Kimi pair
-    # runs in tests/test_mla.py).
+
+@pytest.mark.parametrize("pair", PAIRS, ids=PAIR_IDS)
+def test_every_pair_resolves_by_id_and_by_a_requantised_name(pair):
+    """A target finds its default drafter by its exact id and by the names its re-quantised
+    copies and local folders carry; a second drafter of the same target is listed, not found."""
+    default = DRAFTERS[pair.target]
+    assert pair.default == (pair.drafter == default)
+    name = pair.target.split("/")[1]
+    for spelling in (
+        pair.target,
+        pair.target.upper(),
+        f"mlx-community/{name}-4bit",
+        f"mlx-community/{name}-MLX-8bit",
+        f"some-org/{name}-bf16-DWQ",
+        f"models/{name.lower()}-q4_K_M/",
+    ):
+        assert find_drafter(spelling) == default, spelling
+
+
+def test_one_default_per_target_and_no_duplicates():
+    pairs = [(p.target, p.drafter) for p in PAIRS]
+    assert len(set(pairs)) == len(pairs), "a pair is listed twice"
+    targets = {p.target for p in PAIRS}
+    for t in targets:
+        assert sum(p.default for p in PAIRS if p.target == t) == 1, t
+    assert set(DRAFTERS) == targets
+    # Two targets with one base name would make a re-quantised copy's drafter ambiguous.
+    names = [base_name(t) for t in targets | set(registry.SHIPPED)]
+    assert len(set(names)) == len(names)
+    assert {p.kind for p in PAIRS} <= set(registry.KIND_ARCHITECTURES)
+    for p in PAIRS:
+        assert p.source and p.model_type, p
+
+
+def test_published_fixtures_agree_with_the_registry():
+    """The shrunk published configs other tests run (tests/published.py, the Kimi fixture) are
+    registry pairs, of the model type recorded here, and run here exactly when the registry
+    says so: the recorded facts are checked against configs written from the published files."""
     from published import TARGETS
     from test_mla import KIMI_K25
 
-    assert set(TARGETS) | {"moonshotai/Kimi-K2.5"} == set(DRAFTERS)
-    for cfg in [*TARGETS.values(), KIMI_K25]:
-        assert cfg["model_type"] in ARCHITECTURES
+    from mlx_dflash.models.target import architecture
+
+    fixtures = {**TARGETS, "moonshotai/Kimi-K2.5": KIMI_K25}
+    for target_id, cfg in fixtures.items():
+        pair = next(p for p in PAIRS if p.target == target_id and p.default)
+        assert pair.model_type == cfg["model_type"], target_id
+        try:
+            architecture(cfg)
+            runs = True
+        except DFlashError:
+            runs = False
+        assert runs == (refusal(pair) is None), target_id
+
+
+def test_refusal_follows_the_loaders(monkeypatch):
+    """Support is asked of the loaders at call time: a family dropped from ARCHITECTURES turns
+    its rows into refusals naming it, and a drafter kind the drafter code stops recognising
+    refuses its pairs naming the architecture; nothing in the registry says what runs."""
+    from mlx_dflash.models import drafter_config, target
+
+    qwen3 = [p for p in PAIRS if p.model_type == "qwen3"]
+    assert qwen3 and all(refusal(p) is None for p in qwen3)
+    monkeypatch.delitem(target.ARCHITECTURES, "qwen3")
+    for p in qwen3:
+        assert "'qwen3'" in refusal(p) and "not supported" in refusal(p)
+    assert refusal(next(p for p in PAIRS if p.model_type == "llama")) is None
+
+    dflash2 = [p for p in PAIRS if p.kind == "dflash2" and p.model_type != "qwen3"]
+    runnable = [p for p in dflash2 if refusal(p) is None]
+    assert runnable
+    known = drafter_config.architecture_of
+    monkeypatch.setattr(
+        drafter_config,
+        "architecture_of",
+        lambda cfg: None if "DFlash2DraftModel" in cfg["architectures"] else known(cfg),
+    )
+    for p in runnable:
+        assert "'DFlash2DraftModel' is not supported" in refusal(p)
