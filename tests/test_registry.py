@@ -291,3 +291,58 @@ def test_refusal_follows_the_loaders(monkeypatch):
     )
     for p in runnable:
         assert "'DFlash2DraftModel' is not supported" in refusal(p)
+
+
+def test_models_command_lists_every_pair(run_cli):
+    code, out, err = run_cli("models")
+    assert code == 0, err
+    runs = sum(refusal(p) is None for p in PAIRS)
+    assert f"{runs} of {len(PAIRS)} published pairs run in this build" in out
+    lines = out.splitlines()
+    for p in PAIRS:
+        row = next((ln for ln in lines if p.target in ln and p.drafter in ln), None)
+        assert row is not None, f"{p.target} -> {p.drafter} is not listed"
+        assert p.kind in row
+        assert ("refused" in row) == (refusal(p) is not None), row
+
+
+def test_models_json_is_the_computed_support(run_cli, monkeypatch):
+    """--json is the registry's rows, runs as computed; dropping a family from the loader flips
+    its rows to refused, naming the family, in the JSON and in the table."""
+    from mlx_dflash.models import target
+
+    code, out, err = run_cli("models", "--json")
+    assert code == 0, err
+    rows = json.loads(out)
+    assert [(r["target"], r["drafter"], r["kind"]) for r in rows] == [
+        (p.target, p.drafter, p.kind) for p in PAIRS
+    ]
+    for r, p in zip(rows, PAIRS, strict=True):
+        assert r["runs"] == (refusal(p) is None) and r["refused"] == refusal(p)
+        assert r["default"] == p.default and r["model_type"] == p.model_type
+
+    monkeypatch.delitem(target.ARCHITECTURES, "qwen3_5")
+    rows = json.loads(run_cli("models", "--json")[1])
+    flipped = [r for r in rows if r["model_type"] == "qwen3_5"]
+    assert flipped and all(not r["runs"] and "'qwen3_5'" in r["refused"] for r in flipped)
+    assert all(r["runs"] for r in rows if r["model_type"] == "qwen3")
+    out = run_cli("models")[1]
+    row = next(ln for ln in out.splitlines() if "z-lab/Qwen3.5-4B-DFlash" in ln)
+    assert "refused" in row and "qwen3_5" in out
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [(("--frobnicate",), "No such option"), (("Qwen/Qwen3-8B",), "unexpected extra argument")],
+)
+def test_models_bad_arguments_are_one_usage_error(run_cli, args, needle):
+    code, out, err = run_cli("models", *args)
+    assert code == 2 and needle in err and "Traceback" not in err and not out
+
+
+def test_doctor_counts_the_pairs_that_run():
+    from mlx_dflash.cli import doctor
+
+    runs = sum(refusal(p) is None for p in PAIRS)
+    line = doctor.pairs_summary()["published pairs"]
+    assert line == f"{runs} of {len(PAIRS)} run in this build; see dflash-mlx models"

@@ -21,13 +21,14 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from . import bench, chat, convert, doctor, generate, serve, train
+    from . import bench, chat, convert, doctor, generate, models, serve, train
 
     app.command("generate", help=generate.generate_command.__doc__)(generate.generate_command)
     app.command("chat", help=chat.chat_command.__doc__)(chat.chat_command)
     app.command("bench", help=bench.bench_command.__doc__)(bench.bench_command)
     app.command("convert", help=convert.convert_command.__doc__)(convert.convert_command)
     app.command("doctor", help=doctor.doctor_command.__doc__)(doctor.doctor_command)
+    app.command("models", help=models.models_command.__doc__)(models.models_command)
     app.command("train", help=train.train_command.__doc__)(train.train_command)
     app.command("serve", help=serve.serve_command.__doc__)(serve.serve_command)
 

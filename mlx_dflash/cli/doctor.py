@@ -93,10 +93,20 @@ def pair_report(model: str | None, drafter: str | None) -> dict[str, str]:
     return out
 
 
+def pairs_summary() -> dict[str, str]:
+    """One line on the published pairs: how many this build runs (computed by the loaders)."""
+    from ..checkpoints.registry import support_rows
+
+    rows = support_rows()
+    runs = sum(bool(r["runs"]) for r in rows)
+    return {"published pairs": f"{runs} of {len(rows)} run in this build; see dflash-mlx models"}
+
+
 def doctor_command(model: str = opts.MODEL, drafter: str = opts.DRAFTER) -> None:
     """Print platform, MLX / mlx-lm versions, device, BLAS with measured GFLOP/s, active kernels,
-    and the model pair that would run (which drafter kind: DFlash or DFlash 2)."""
+    the model pair that would run (which drafter kind: DFlash or DFlash 2), and how many
+    published pairs this build runs."""
     table = Table(show_header=False, box=None)
-    for k, v in {**report(), **pair_report(model, drafter)}.items():
+    for k, v in {**report(), **pair_report(model, drafter), **pairs_summary()}.items():
         table.add_row(f"[bold]{k}[/bold]", v)
     Console().print(table)
