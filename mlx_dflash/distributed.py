@@ -280,14 +280,9 @@ class Stage:
         return self.hi == self.n_layers
 
     def make_cache(self, target) -> list:
-        from .models.cache import KVCache
-        from .models.gated_deltanet import RecurrentCache
-
         return [
-            (RecurrentCache() if getattr(layer, "is_linear", False) else KVCache())
-            if self.lo <= i < self.hi
-            else NotHere()
-            for i, layer in enumerate(target.layers)
+            target.layer_cache(i) if self.lo <= i < self.hi else NotHere()
+            for i in range(target.num_layers)
         ]
 
     def forward(self, target, tokens, cache, start, tree, logits, taps, rewindable):

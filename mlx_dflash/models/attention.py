@@ -7,6 +7,7 @@ is gated_deltanet.py; MLA (DeepSeek-V3 / Kimi) is mla.py.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -18,15 +19,19 @@ from .cache import KVCache
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """What the standard-attention families do differently."""
+    """What the standard-attention families do differently before RoPE; everything after it
+    (per-token positions, cache, causal / tree / window masks, sinks, gate, o_proj) is shared."""
 
-    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3; GLM if use_qk_norm)
     gated: bool = False  # q_proj also yields a per-head output gate (Qwen3.5 / Qwen3-Next)
     # Muse Glimmer: weightless RMSNorm on q and k, q times the module's qk_scale_factor, and an
     # output gate from a gate_proj of the layer input. Its RoPE-less layers (layer_rope_theta 0)
     # and sliding windows are per layer, read from mlx-lm's module (use_rope, is_sliding).
     scaleless_qk: bool = False
     gate_proj: bool = False
+    # A family whose projections differ altogether (Gemma 4, MiniMax): a function
+    # (attn, x) -> q (1, T, heads, D), k (1, T, kv, D), v (1, T, kv, Dv), gate or None.
+    project: Callable | None = None
 
 
 def attention(
@@ -45,6 +50,20 @@ def attention(
     `masks` is shared by the layers of one verify, so a tree's mask is built once.
     `window`: a sliding-window layer's width (a query sees the `window` newest positions)."""
     T = x.shape[1]
+    q, k, v, gate = _project(attn, spec, x) if spec.project is None else spec.project(attn, x)
+    q, k = _rotate(attn, q, k, start, positions)
+    keys, values = cache.append(k, v.transpose(0, 2, 1, 3))
+    held_from = getattr(cache, "dropped", 0)  # a windowed cache's first held position
+    out = _attend(attn, q, keys, values, start, positions, parents, masks, window, held_from)
+    out = out.transpose(0, 2, 1, 3).reshape(1, T, -1)
+    if gate is not None:
+        out = out * mx.sigmoid(gate)
+    return attn.o_proj(out)
+
+
+def _project(attn, spec: AttentionSpec, x):
+    """q, k, v (token-major, per head) and the output gate of the standard families."""
+    T = x.shape[1]
     n_heads = getattr(attn, "n_heads", None) or attn.num_attention_heads
     n_kv = getattr(attn, "n_kv_heads", None) or attn.num_key_value_heads
     q = attn.q_proj(x).reshape(1, T, n_heads, -1)
@@ -55,33 +74,57 @@ def attention(
     elif spec.gate_proj:
         gate = attn.gate_proj(x)
     k = attn.k_proj(x).reshape(1, T, n_kv, -1)
-    v = attn.v_proj(x).reshape(1, T, n_kv, -1).transpose(0, 2, 1, 3)
+    v = attn.v_proj(x).reshape(1, T, n_kv, -1)
     if spec.scaleless_qk:
         q = mx.fast.rms_norm(q, None, attn.eps) * attn.qk_scale_factor
         k = mx.fast.rms_norm(k, None, attn.eps)
-    elif spec.qk_norm:
+    elif spec.qk_norm and getattr(attn, "use_qk_norm", True):
         q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = _rotate(attn, q, k, start, positions)
-    keys, values = cache.append(k, v)
+    value_scale = getattr(attn, "value_scale", None)  # MiMo's attention_value_scale
+    if value_scale is not None:
+        v = v * value_scale
+    return q, k, v, gate
+
+
+def _sinks(attn):
+    """Per-head sink logits (gpt-oss `sinks`, MiMo `attention_sink_bias`), or None."""
+    sinks = getattr(attn, "sinks", None)
+    return sinks if sinks is not None else getattr(attn, "attention_sink_bias", None)
+
+
+def _scale(attn) -> float:
+    scale = getattr(attn, "scale", None)
+    return float(attn.sm_scale if scale is None else scale)  # gpt-oss names it sm_scale
+
+
+def _attend(attn, q, keys, values, start, positions, parents, masks, window, held_from):
+    """Attention of (1, heads, T, D) queries over the held keys: causal or tree, within a
+    sliding window, with sink logits; MLX's fused attention unless the tree kernel or the CPU
+    path applies (no sinks, equal key and value widths)."""
+    T, scale, sinks = q.shape[2], _scale(attn), _sinks(attn)
     if window is not None and start + T > window:  # a query may be past some cached key
         if "window" not in masks:  # the same for every sliding layer of this pass
-            masks["window"] = window_mask(q.shape[2], start, positions, parents, window)
-        lo = max(0, start - window + 1)  # keys before it are out of every query's window
-        out = mx.fast.scaled_dot_product_attention(
-            q, keys[:, :, lo:], values[:, :, lo:], scale=attn.scale, mask=masks["window"]
+            masks["window"] = window_mask(T, start, positions, parents, window)
+        lo = max(0, start - window + 1) - held_from  # keys before it are out of every window
+        return mx.fast.scaled_dot_product_attention(
+            q, keys[:, :, lo:], values[:, :, lo:], scale=scale, mask=masks["window"], sinks=sinks
         )
-    elif parents is None:
+    plain = sinks is None and keys.shape[-1] == values.shape[-1]
+    if parents is None:
         mask = "causal" if T > 1 else None
-        if use_cpu_attention():
-            out = cpu_attention(q, keys, values, attn.scale, mask)
-        else:
-            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=mask)
-    else:
-        out = tree_attention(q, keys, values, parents, attn.scale, masks)
-    out = out.transpose(0, 2, 1, 3).reshape(1, T, -1)
-    if gate is not None:
-        out = out * mx.sigmoid(gate)
-    return attn.o_proj(out)
+        if plain and use_cpu_attention():
+            return cpu_attention(q, keys, values, scale, mask)
+        return mx.fast.scaled_dot_product_attention(
+            q, keys, values, scale=scale, mask=mask, sinks=sinks
+        )
+    if plain:
+        return tree_attention(q, keys, values, parents, scale, masks)
+    prefix = keys.shape[2] - T
+    if prefix not in masks:
+        masks[prefix] = ancestor_mask(parents, prefix)
+    return mx.fast.scaled_dot_product_attention(
+        q, keys, values, scale=scale, mask=masks[prefix], sinks=sinks
+    )
 
 
 def _rotate(attn, q, k, start: int, positions):

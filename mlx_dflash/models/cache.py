@@ -74,6 +74,66 @@ class KVCache:
         return [] if self.keys is None or self.values is None else [self.keys, self.values]
 
 
+class WindowedKVCache(KVCache):
+    """A sliding-window layer's keys and values (Gemma 4, gpt-oss, MiMo, Muse Glimmer): only the
+    newest `window` positions are ever attended to, so older rows are dropped, amortised (the
+    buffer is cut once it holds `window` rows too many), and memory stays bounded.
+
+    Rows are held for absolute positions [dropped, end). A verify starting at `end` only needs
+    rows from end - window + 1 on, and a rewind never goes before the verify's start, so
+    dropping before an append is always safe. The last `snapshot` (a prompt's end, where a later
+    turn may rewind) keeps its window too; a rewind to a point whose window is gone returns 0
+    (`rewind_point`), and the prompt is computed again rather than read wrong.
+    """
+
+    def __init__(self, window: int) -> None:
+        super().__init__()
+        self.window = int(window)
+        self.dropped = 0
+        self.snapshot_at: int | None = None
+
+    @property
+    def end(self) -> int:
+        return self.dropped + self.offset
+
+    def append(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write new rows after `end`; return the rows held (positions dropped..end)."""
+        self._drop()
+        return super().append(keys, values)
+
+    def _drop(self) -> None:
+        keep_from = self.end - self.window + 1
+        if self.snapshot_at is not None:
+            keep_from = min(keep_from, self.snapshot_at - self.window + 1)
+        cut = keep_from - self.dropped
+        if cut < max(self.window, self.step) or self.keys is None or self.values is None:
+            return
+        self.keys = mx.contiguous(self.keys[..., cut : self.offset, :])
+        self.values = mx.contiguous(self.values[..., cut : self.offset, :])
+        self.dropped += cut
+        self.offset -= cut
+
+    def rewind_point(self, length: int) -> int:
+        """`length` while its window is still held, else 0 (compute it again)."""
+        return length if length - self.window + 1 >= self.dropped or not self.dropped else 0
+
+    def snapshot(self) -> None:
+        self.snapshot_at = self.end
+
+    def trim(self, length: int) -> None:
+        """Keep the positions before `length` (absolute); before the held rows: start over."""
+        if self.snapshot_at is not None and length < self.snapshot_at:
+            self.snapshot_at = None
+        if length < self.dropped:
+            self.keys = self.values = None
+            self.dropped = self.offset = 0
+        else:
+            self.offset = max(0, min(self.offset, length - self.dropped))
+
+    def compact(self, start: int, keep: mx.array | list[int]) -> None:
+        super().compact(start - self.dropped, keep)
+
+
 class ContextCache(KVCache):
     """A drafter layer's context rows, for absolute positions [dropped, end).
 

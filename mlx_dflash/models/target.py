@@ -9,6 +9,7 @@ rope, MLP/MoE) from one loop here; what differs per architecture is declared in 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,9 +23,25 @@ from ..distributed import LOCAL, LocalWorld, World
 from ..errors import DFlashError
 from ..kernels.tree_attention import tree_depths
 from .attention import AttentionSpec, attention
-from .cache import KVCache
+from .cache import KVCache, WindowedKVCache
 from .gated_deltanet import RecurrentCache, gdn_forward
+from .gemma4 import gemma4_block, gemma4_project
+from .minimax import minimax_project
 from .mla import is_mla, mla_attention
+
+
+def prenorm_block(layer, h, mix):
+    """The common decoder layer: pre-norm attention and MLP (or MoE), each added back.
+    `mix` runs the layer's token mixer (attention, Gated DeltaNet, MLA) under verification."""
+    h = h + mix(layer.input_layernorm(h))
+    ffn = layer.mlp if "mlp" in layer else layer.block_sparse_moe  # MiniMax names its MoE so
+    return h + ffn(layer.post_attention_layernorm(h))
+
+
+def sandwich_block(layer, h, mix):
+    """Muse Glimmer: a norm after attention and after the MLP too."""
+    h = h + layer.post_attention_layernorm(mix(layer.input_layernorm(h)))
+    return h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
 
 
 @dataclass(frozen=True)
@@ -32,14 +49,23 @@ class Family:
     """What an architecture does differently: in attention, and around the layer stack."""
 
     attention: AttentionSpec = AttentionSpec()
-    # Muse Glimmer: a norm after attention and after the MLP too ("sandwich"), a weightless
-    # RMSNorm on the token embeddings, and logits times output_multiplier, then soft-capped.
-    sandwich_norms: bool = False
+    block: Callable = prenorm_block  # one decoder layer around its token mixer
+    # Muse Glimmer: a weightless RMSNorm on the token embeddings. Gemma: embeddings times
+    # sqrt(hidden_size) (mlx-lm's embed_scale).
     embedding_norm: bool = False
+    embedding_scale: bool = False
+    # Logits times output_multiplier (Muse Glimmer) where the model has one, then soft-capped:
+    # cap * tanh(logits / cap) with final_logit_softcapping (Muse Glimmer, Gemma).
     logit_softcap: bool = False
 
 
 _GATED = Family(AttentionSpec(qk_norm=True, gated=True))
+_GEMMA4 = Family(
+    AttentionSpec(project=gemma4_project),
+    block=gemma4_block,
+    embedding_scale=True,
+    logit_softcap=True,
+)
 ARCHITECTURES: dict[str, Family] = {
     "llama": Family(),
     "mistral": Family(),
@@ -57,9 +83,35 @@ ARCHITECTURES: dict[str, Family] = {
     # Three sliding-window layers to one global NoPE layer; everything else as described above.
     "muse_glimmer": Family(
         AttentionSpec(scaleless_qk=True, gate_proj=True),
-        sandwich_norms=True,
+        block=sandwich_block,
         embedding_norm=True,
         logit_softcap=True,
+    ),
+    # Gemma 4 (models/gemma4.py): sliding and global layers with their own head sizes and
+    # RoPE (proportional, partial on global layers), K = V on global layers, a sandwich block
+    # with a MoE branch (26B-A4B) and a layer scalar; the wrapper and a text-only export.
+    "gemma4": _GEMMA4,
+    "gemma4_text": _GEMMA4,
+    # gpt-oss: alternating sliding and full layers, per-head attention sinks, biased
+    # projections, a MoE of SwiGLU experts (MXFP4 as published, read by mlx-lm).
+    "gpt_oss": Family(),
+    # MiniMax M2.x: RMSNorm over all heads' q and k at once, partial RoPE, a sparse MoE.
+    "minimax": Family(AttentionSpec(project=minimax_project)),
+    # GLM-4.5 / 4.6 / 4.7 MoE: biased q/k/v, optional per-head qk norm, partial RoPE.
+    "glm4_moe": Family(AttentionSpec(qk_norm=True)),
+    # MiMo-V2-Flash: sliding and full layers with their own heads and RoPE, sink logits,
+    # wider values than keys, a value scale.
+    "mimo_v2_flash": Family(),
+}
+# Families mlx-lm runs that cannot be verified exactly here, with the reason.
+REFUSED = {
+    "glm_moe_dsa": (
+        "GLM-5's DSA sparse attention picks each query's keys with an indexer's top-k, which a "
+        "draft tree's verify cannot reproduce exactly yet"
+    ),
+    "deepseek_v32": (
+        "DeepSeek-V3.2's DSA sparse attention picks each query's keys with an indexer's top-k, "
+        "which a draft tree's verify cannot reproduce exactly yet"
     ),
 }
 # Text-only exports of the multimodal Qwen3.5 / 3.6 checkpoints name their language model's own
@@ -69,6 +121,8 @@ TEXT_MODEL_TYPES = {
     "qwen3_5_moe_text": "qwen3_5_moe",
     "kimi_k2": "deepseek_v3",  # Kimi-K2's (and Kimi-K2.5's text_config's) own type
     "muse_glimmer_text": "muse_glimmer",
+    "minimax_m2": "minimax",  # MiniMax M2.x's own type (mlx-lm remaps it the same way)
+    "gemma4_unified": "gemma4",  # Gemma 4 12B: encoder-free multimodal, the same text model
 }
 
 
@@ -86,8 +140,11 @@ def architecture(config: dict) -> str:
     names = [config.get("model_type"), text_config(config).get("model_type")]
     for name in filter(None, names):
         name = TEXT_MODEL_TYPES.get(name, name)
+        if name in REFUSED:
+            raise DFlashError(f"Target architecture '{name}' is refused: {REFUSED[name]}.")
         if name in ARCHITECTURES:
             _check_gate_type(text_config(config))
+            _check_gemma4(name, text_config(config))
             return name
     shown = next((n for n in names if n), "unknown")
     supported = ", ".join(sorted(ARCHITECTURES))
@@ -113,6 +170,18 @@ def _check_gate_type(text: dict) -> None:
         )
 
 
+def _check_gemma4(name: str, text: dict) -> None:
+    """The small Gemma 4 models (E2B, E4B) share K/V between layers and add per-layer token
+    inputs; no DFlash drafter exists for them, and this loop does not run either."""
+    if not name.startswith("gemma4"):
+        return
+    if text.get("num_kv_shared_layers", 20) or text.get("hidden_size_per_layer_input", 256):
+        raise DFlashError(
+            "Gemma 4 models with KV-shared layers or per-layer inputs (E2B, E4B) are not "
+            "supported: only the 12B, 26B-A4B and 31B layouts are."
+        )
+
+
 def model_classes(config: dict):
     """mlx-lm's (Model, ModelArgs) for a config, text-only Qwen3.5 exports included."""
     from mlx_lm.utils import _get_classes
@@ -131,11 +200,11 @@ class Target:
         self.text_config = text_config(config)
         self.model_type = architecture(config)
         self.family = ARCHITECTURES[self.model_type]
-        # Sliding-window layers (Muse Glimmer's) see the newest `window` positions only.
-        self.window = int(self.text_config.get("sliding_window") or 0) or None
-        self.inner = model.model
+        self.inner = getattr(model, "language_model", model).model
         self.layers = self.inner.layers
         self.num_layers = len(self.layers)
+        # Sliding-window layers see the newest `window` positions only (None: every position).
+        self.windows = layer_windows(self.inner, self.text_config)
         self.world: World | LocalWorld = LOCAL  # a World once distributed.split shards it
         self.stage = None  # a pipeline stage (mlx_dflash.distributed.Stage): my layers only
         self.hidden_size = int(self.text_config["hidden_size"])
@@ -154,13 +223,22 @@ class Target:
     def make_cache(self) -> list:
         if self.stage is not None:
             return self.stage.make_cache(self)
-        return [RecurrentCache() if _is_linear(layer) else KVCache() for layer in self.layers]
+        return [self.layer_cache(i) for i in range(self.num_layers)]
+
+    def layer_cache(self, i: int):
+        """Layer i's cache: recurrent state, a window's K/V, or all K/V."""
+        if _is_linear(self.layers[i]):
+            return RecurrentCache()
+        window = self.windows[i]
+        return KVCache() if window is None else WindowedKVCache(window)
 
     def embed(self, tokens: mx.array) -> mx.array:
         """The first layer's input: the token embeddings and what the family does to them."""
         h = self.inner.embed_tokens(tokens)
         if self.family.embedding_norm:
             h = mx.fast.rms_norm(h, None, self.inner.embed_eps)
+        if self.family.embedding_scale:
+            h = h * self.inner.embed_scale
         return h
 
     def token_embeddings(self, tokens: mx.array) -> mx.array:
@@ -253,12 +331,16 @@ class Target:
 
     def output_logits(self, h: mx.array) -> mx.array:
         """The target's logits of final-normed hidden states: its LM head and, for Muse
-        Glimmer, the output multiplier then the soft cap (mlx-lm's order)."""
+        Glimmer and Gemma, the output multiplier (if any) then the soft cap (mlx-lm's order)."""
         logits = self.lm_head(h)
         if self.family.logit_softcap:
-            args = self.model.args
+            args = getattr(self.model, "language_model", self.model).args
             cap = args.final_logit_softcapping
-            logits = mx.tanh(logits * args.output_multiplier / cap) * cap
+            multiplier = getattr(args, "output_multiplier", None)
+            if multiplier is not None:
+                logits = logits * multiplier
+            if cap:
+                logits = mx.tanh(logits / cap) * cap
         return logits
 
     def run_layers(
@@ -271,27 +353,40 @@ class Target:
         tapped = {}
         for i in layers:
             layer, c = self.layers[i], cache[i]
-            x = layer.input_layernorm(h)
-            if _is_linear(layer):
-                r = gdn_forward(layer.linear_attn, x, c, start, np_parents, rewindable)
-            elif is_mla(layer.self_attn):
-                r = mla_attention(layer.self_attn, x, c, start, positions, parents, masks)
-            else:
-                attn = layer.self_attn
-                window = self.window if getattr(attn, "is_sliding", False) else None
+
+            def mix(x, layer=layer, c=c, i=i):
+                if _is_linear(layer):
+                    return gdn_forward(layer.linear_attn, x, c, start, np_parents, rewindable)
+                if is_mla(layer.self_attn):
+                    return mla_attention(layer.self_attn, x, c, start, positions, parents, masks)
                 spec = self.family.attention
-                r = attention(attn, spec, x, c, start, positions, parents, masks, window)
-            if self.family.sandwich_norms:
-                h = h + layer.post_attention_layernorm(r)
-                h = h + layer.post_feedforward_layernorm(
-                    layer.mlp(layer.pre_feedforward_layernorm(h))
+                window = self.windows[i]
+                return attention(
+                    layer.self_attn, spec, x, c, start, positions, parents, masks, window
                 )
-            else:
-                h = h + r
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
+
+            h = self.family.block(layer, h, mix)
             if i in tap_set:
                 tapped[i] = h[0]
         return h, tapped
+
+
+def layer_windows(inner, text: dict) -> list[int | None]:
+    """Each layer's sliding window, None for a global layer, as mlx-lm's modules mark them:
+    `is_sliding` (Gemma 4, Muse Glimmer), `is_sliding_window` (MiMo), the model's
+    `layer_types` (gpt-oss)."""
+    window = int(text.get("sliding_window") or text.get("sliding_window_size") or 0) or None
+    types = getattr(inner, "layer_types", None)
+    out: list[int | None] = []
+    for i, layer in enumerate(inner.layers):
+        attn = getattr(layer, "self_attn", None)
+        sliding = bool(
+            getattr(attn, "is_sliding", False)
+            or getattr(layer, "is_sliding_window", False)
+            or (types is not None and types[i] == "sliding_attention")
+        )
+        out.append(window if sliding else None)
+    return out
 
 
 def _is_linear(layer) -> bool:
