@@ -4,6 +4,7 @@ the hub downloader is replaced by a function serving local tiny checkpoints)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -346,3 +347,46 @@ def test_doctor_counts_the_pairs_that_run():
     runs = sum(refusal(p) is None for p in PAIRS)
     line = doctor.pairs_summary()["published pairs"]
     assert line == f"{runs} of {len(PAIRS)} run in this build; see dflash-mlx models"
+
+
+def readme_pairs() -> list[list[str]]:
+    """The cells of README.md's "Published pairs" table, one list per row."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    lines = text[text.index("### Published pairs") :].splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("| target |"))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows
+
+
+def test_readme_published_pairs_match_this_build():
+    """README's table lists every registry pair once, with the kind and model type recorded
+    here, says "yes" exactly where this build runs the pair and otherwise "refused" naming what
+    the loader names, and every test it cites exists."""
+    root = Path(__file__).resolve().parents[1]
+    ticked = [[re.findall(r"`([^`]+)`", c) for c in row] for row in readme_pairs()]
+    listed = {(t[0][0], t[1][0]): row for t, row in zip(ticked, readme_pairs(), strict=True)}
+    assert len(listed) == len(ticked), "a pair is listed twice"
+    assert set(listed) == {(p.target, p.drafter) for p in PAIRS}
+    for p in PAIRS:
+        target, drafter, kind, model_type, runs, tests = listed[(p.target, p.drafter)]
+        assert kind == p.kind and model_type == f"`{p.model_type}`", p
+        assert ("(alternative)" in drafter) == (not p.default), p
+        why = refusal(p)
+        if why is None:
+            assert runs == "yes", (
+                f"{p.target} -> {p.drafter} runs in this build: README says {runs}"
+            )
+        else:
+            named = re.search(r"'([^']+)'", why)
+            culprit = named.group(1) if named else p.model_type
+            assert runs.startswith("refused") and culprit in runs, (
+                f"{p.target} -> {p.drafter} is refused here ({why}); README says {runs}"
+            )
+        cited = re.findall(r"`(tests/\w+\.py)::(\w+)`", tests)
+        assert cited or tests == "none yet", tests
+        for path, name in cited:
+            assert re.search(rf"^def {name}\(", (root / path).read_text(), re.M), (path, name)
