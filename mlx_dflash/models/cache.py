@@ -81,16 +81,16 @@ class WindowedKVCache(KVCache):
 
     Rows are held for absolute positions [dropped, end). A verify starting at `end` only needs
     rows from end - window + 1 on, and a rewind never goes before the verify's start, so
-    dropping before an append is always safe. The last `snapshot` (a prompt's end, where a later
-    turn may rewind) keeps its window too; a rewind to a point whose window is gone returns 0
-    (`rewind_point`), and the prompt is computed again rather than read wrong.
+    dropping before an append is always safe. A later turn rewinds to where its prompt leaves
+    the cached tokens, which is near the end (the new prompt carries the answer); a rewind to
+    a point whose window is gone returns 0 (`rewind_point`), so the prompt is computed again
+    rather than read wrong.
     """
 
     def __init__(self, window: int) -> None:
         super().__init__()
         self.window = int(window)
         self.dropped = 0
-        self.snapshot_at: int | None = None
 
     @property
     def end(self) -> int:
@@ -102,11 +102,8 @@ class WindowedKVCache(KVCache):
         return super().append(keys, values)
 
     def _drop(self) -> None:
-        keep_from = self.end - self.window + 1
-        if self.snapshot_at is not None:
-            keep_from = min(keep_from, self.snapshot_at - self.window + 1)
-        cut = keep_from - self.dropped
-        if cut < max(self.window, self.step) or self.keys is None or self.values is None:
+        cut = self.end - self.window + 1 - self.dropped
+        if cut < self.window or self.keys is None or self.values is None:
             return
         self.keys = mx.contiguous(self.keys[..., cut : self.offset, :])
         self.values = mx.contiguous(self.values[..., cut : self.offset, :])
@@ -117,13 +114,8 @@ class WindowedKVCache(KVCache):
         """`length` while its window is still held, else 0 (compute it again)."""
         return length if length - self.window + 1 >= self.dropped or not self.dropped else 0
 
-    def snapshot(self) -> None:
-        self.snapshot_at = self.end
-
     def trim(self, length: int) -> None:
         """Keep the positions before `length` (absolute); before the held rows: start over."""
-        if self.snapshot_at is not None and length < self.snapshot_at:
-            self.snapshot_at = None
         if length < self.dropped:
             self.keys = self.values = None
             self.dropped = self.offset = 0

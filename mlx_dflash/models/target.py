@@ -200,7 +200,7 @@ class Target:
         self.text_config = text_config(config)
         self.model_type = architecture(config)
         self.family = ARCHITECTURES[self.model_type]
-        self.inner = getattr(model, "language_model", model).model
+        self.inner = language_model(model).model
         self.layers = self.inner.layers
         self.num_layers = len(self.layers)
         # Sliding-window layers see the newest `window` positions only (None: every position).
@@ -334,7 +334,7 @@ class Target:
         Glimmer and Gemma, the output multiplier (if any) then the soft cap (mlx-lm's order)."""
         logits = self.lm_head(h)
         if self.family.logit_softcap:
-            args = getattr(self.model, "language_model", self.model).args
+            args = language_model(self.model).args
             cap = args.final_logit_softcapping
             multiplier = getattr(args, "output_multiplier", None)
             if multiplier is not None:
@@ -387,6 +387,11 @@ def layer_windows(inner, text: dict) -> list[int | None]:
         )
         out.append(window if sliding else None)
     return out
+
+
+def language_model(model: nn.Module) -> Any:
+    """The text model inside a multimodal wrapper (Gemma 4, Qwen3.5), else the model itself."""
+    return model["language_model"] if "language_model" in model else model
 
 
 def _is_linear(layer) -> bool:
