@@ -97,6 +97,37 @@ GEMMA4_26B_A4B["text_config"].update(
     num_hidden_layers=30,
     layer_types=_alternate(30, 6),
 )
+# Gemma 4 12B-it: `gemma4_unified` (encoder-free multimodal; mlx-lm reads it with gemma4's
+# module), its text_config as a public loader's fixture copies it: hidden 3840, 48 layers,
+# 16 heads / 8 KV (8 global), K = V global layers, proportional global RoPE with factor 1.
+GEMMA4_12B: dict[str, Any] = {
+    "architectures": ["Gemma4UnifiedForConditionalGeneration"],
+    "model_type": "gemma4_unified",
+    "text_config": {
+        "model_type": "gemma4_unified_text",
+        "attention_k_eq_v": True,
+        "final_logit_softcapping": 30.0,
+        "global_head_dim": 512,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 3840,
+        "hidden_size_per_layer_input": 0,
+        "intermediate_size": 15360,
+        "layer_types": _alternate(48, 6),
+        "num_attention_heads": 16,
+        "num_global_key_value_heads": 8,
+        "num_hidden_layers": 48,
+        "num_key_value_heads": 8,
+        "num_kv_shared_layers": 0,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {
+            "full_attention": {"rope_theta": 1000000.0, "rope_type": "proportional", "factor": 1.0},
+            "sliding_attention": {"rope_theta": 10000.0},
+        },
+        "sliding_window": 1024,
+    },
+    "vocab_size": 262144,
+}
 # gpt-oss-20b: the release's config fields (GptOssForCausalLM; public loaders' fixtures spell
 # the same set: attention_bias, head_dim 64, layer_types alternating sliding / full,
 # sliding_window 128, experts_per_token, swiglu_limit 7, yarn rope_scaling, mxfp4
@@ -245,13 +276,14 @@ MIMO_V2_FLASH: dict[str, Any] = {
 FAMILIES: dict[str, dict[str, Any]] = {
     "gemma4-31b": GEMMA4_31B,
     "gemma4-26b-a4b": GEMMA4_26B_A4B,
+    "gemma4-12b": GEMMA4_12B,
     "gpt-oss-20b": GPT_OSS_20B,
     "minimax-m2": MINIMAX_M2,
     "glm4-moe": GLM4_MOE,
     "mimo-v2-flash": MIMO_V2_FLASH,
 }
 # Sliding-window families and sink families (gpt-oss and MiMo have both).
-SLIDING = ("gemma4-31b", "gemma4-26b-a4b", "gpt-oss-20b", "mimo-v2-flash")
+SLIDING = ("gemma4-31b", "gemma4-26b-a4b", "gemma4-12b", "gpt-oss-20b", "mimo-v2-flash")
 SINKS = ("gpt-oss-20b", "mimo-v2-flash")
 
 _SIZES = {
@@ -306,7 +338,8 @@ def shrink(cfg: dict[str, Any], layers: int = 6) -> dict[str, Any]:
         return _shrink_text(cfg, layers)
     out = copy.deepcopy(cfg)
     out["text_config"] = _shrink_text(cfg["text_config"], layers)
-    out["vocab_size"] = out["text_config"]["vocab_size"]
+    if "vocab_size" in out:
+        out["vocab_size"] = out["text_config"]["vocab_size"]
     return out
 
 
