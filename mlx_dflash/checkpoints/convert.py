@@ -26,6 +26,7 @@ from .read import (
     INDEX_FILE,
     check_drafter_weights,
     check_pair,
+    check_sidecars,
     is_drafter_config,
     load_safetensors,
     load_weights,
@@ -34,6 +35,7 @@ from .read import (
     strip_model_prefix,
     text_config,
     weight_files,
+    with_target_vocab,
 )
 
 DTYPES = ("float16", "bfloat16", "float32")
@@ -270,6 +272,7 @@ def convert_drafter(
     from ..models.drafter import read_draft_vocab, write_draft_vocab
 
     raw = read_config(source, "drafter")
+    check_sidecars(source)
     target_cfg = None
     n_target = None
     if target is not None:
@@ -278,6 +281,7 @@ def convert_drafter(
     cfg = DrafterConfig.from_dict(raw, num_target_layers=n_target)
     if target_cfg is not None:
         check_pair(cfg, target_cfg)
+        cfg = with_target_vocab(cfg, target_cfg)
 
     source_quant = raw.get("quantization")
     if quantize and source_quant:

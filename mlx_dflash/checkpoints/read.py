@@ -7,6 +7,7 @@ error deep inside a forward pass.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,13 @@ CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.succ
 DFLASH2_PARTS = ("attention_conv", "mlp_conv", "candidate_selector")
 # Tensors that belong to a drafter that brings its own vocabulary, which DFlash never does.
 FOREIGN_TENSORS = ("lm_head", "embed_tokens")
+# Other published names of the same tensors: Muse-Glimmer-30B-assistant's context projection
+# and its norm (its safetensors header; vLLM's qwen3_dflash maps them the same way).
+TENSOR_ALIASES = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
+# Files beside a drafter's weights that change what it computes but that we never load: MiMo's
+# drafter ships its mask token's embedding as a PyTorch pickle (vLLM PR #46104 reads it in
+# place of the target's row, which is near zero for that token).
+PICKLED_SIDECARS = ("mask_embedding.pt",)
 
 
 # --------------------------------------------------------------------------------------------
@@ -130,12 +138,22 @@ def load_weights(folder: str | Path) -> dict[str, mx.array]:
     return weights
 
 
+def _canonical(name: str) -> str:
+    for alias, canonical in TENSOR_ALIASES.items():
+        if name.startswith(alias):
+            return canonical + name[len(alias) :]
+    return name
+
+
 def strip_model_prefix(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Drop a `model.` prefix some exports put on drafter tensors; z-lab names have none.
-    A selector codebook saved under an embedding's own name (`X.weight`) gets its published
-    bare name back."""
+    """Drafter tensors under z-lab's names: a `model.` prefix some exports put on them
+    dropped, other published names of the same tensors (`TENSOR_ALIASES`) mapped. A selector
+    codebook saved under an embedding's own name (`X.weight`) gets its published bare name
+    back."""
     if weights and all(k.startswith("model.") for k in weights):
         weights = {k[len("model.") :]: v for k, v in weights.items()}
+    if any(_canonical(k) != k for k in weights):
+        weights = {_canonical(k): v for k, v in weights.items()}
     renamed = {f"{c}.weight": c for c in CODEBOOKS if f"{c}.weight" in weights and c not in weights}
     if renamed:
         weights = {renamed.get(k, k): v for k, v in weights.items()}
@@ -161,10 +179,31 @@ def quantizable_base(name: str) -> str | None:
     return name[: -len(".weight")] if is_drafter_linear(name) else None
 
 
+def _attention_shapes(cfg: DrafterConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """One layer's attention tensors: projections, q/k norms, and the variants' biases and
+    sink logits."""
+    h, hd, nh = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads
+    q, kv, vo = nh * hd, cfg.num_key_value_heads * hd, cfg.value_head_dim
+    v = cfg.num_key_value_heads * vo
+    shapes: dict[str, tuple[int, ...]] = {
+        p + "q_proj.weight": (q, h),
+        p + "k_proj.weight": (kv, h),
+        p + "v_proj.weight": (v, h),
+        p + "o_proj.weight": (h, nh * vo),
+        p + "q_norm.weight": (hd,),
+        p + "k_norm.weight": (hd,),
+    }
+    if cfg.attention_bias:
+        for proj, size in (("q", q), ("k", kv), ("v", v), ("o", h)):
+            shapes[f"{p}{proj}_proj.bias"] = (size,)
+    if cfg.attention_sink_bias:
+        shapes[p + "attention_sink_bias"] = (nh,)
+    return shapes
+
+
 def drafter_weight_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a drafter checkpoint must hold, with its torch [out, in] shape."""
-    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    h, inter = cfg.hidden_size, cfg.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {
         "fc.weight": (h, cfg.num_taps * h),
         "hidden_norm.weight": (h,),
@@ -174,12 +213,7 @@ def drafter_weight_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
         p = f"layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (q, h)
-        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
-        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q)
-        shapes[p + "self_attn.q_norm.weight"] = (hd,)
-        shapes[p + "self_attn.k_norm.weight"] = (hd,)
+        shapes.update(_attention_shapes(cfg, p + "self_attn."))
         shapes[p + "mlp.gate_proj.weight"] = (inter, h)
         shapes[p + "mlp.up_proj.weight"] = (inter, h)
         shapes[p + "mlp.down_proj.weight"] = (h, inter)
@@ -272,7 +306,7 @@ def check_pair(drafter_cfg: DrafterConfig, target_cfg: dict[str, Any]) -> None:
             f"The drafter's hidden size {drafter_cfg.hidden_size} differs from the target's "
             f"{hidden}, so it was trained for another target."
         )
-    if drafter_cfg.vocab_size != vocab:
+    if drafter_cfg.vocab_size is not None and drafter_cfg.vocab_size != vocab:
         raise DFlashError(
             f"The drafter's vocabulary size {drafter_cfg.vocab_size} differs from the target's "
             f"{vocab}, so it was trained for another target."
@@ -287,6 +321,25 @@ def check_pair(drafter_cfg: DrafterConfig, target_cfg: dict[str, Any]) -> None:
             f"The drafter's mask_token_id {drafter_cfg.mask_token_id} is outside the target's "
             f"vocabulary of {vocab} tokens."
         )
+
+
+def with_target_vocab(cfg: DrafterConfig, target_cfg: dict[str, Any]) -> DrafterConfig:
+    """`cfg` with the target's vocabulary size where its config.json gives none (a DFlash 1
+    drafter has no vocabulary-sized tensor; Muse's assistant omits the field)."""
+    if cfg.vocab_size is not None:
+        return cfg
+    return dataclasses.replace(cfg, vocab_size=int(text_config(target_cfg)["vocab_size"]))
+
+
+def check_sidecars(folder: str | Path) -> None:
+    """Refuse a drafter folder whose pickled side files would change its drafts."""
+    for name in PICKLED_SIDECARS:
+        if (Path(folder) / name).exists():
+            raise DFlashError(
+                f"The drafter in {folder} ships {name}, a PyTorch pickle that replaces its "
+                "mask token's embedding; dflash-mlx never unpickles files (that can run "
+                "arbitrary code), so it cannot run this drafter as it was trained."
+            )
 
 
 def read_drafter(
@@ -310,12 +363,14 @@ def read_drafter(
             f"{DRAFTER_ARCHITECTURE} nor {DRAFTER2_ARCHITECTURE}); pass a drafter folder to "
             "--drafter."
         )
+    check_sidecars(folder)
     n_target = num_target_layers
     if target_cfg is not None:
         n_target = text_config(target_cfg).get("num_hidden_layers")
     cfg = DrafterConfig.from_dict(raw, num_target_layers=n_target)
     if target_cfg is not None:
         check_pair(cfg, target_cfg)
+        cfg = with_target_vocab(cfg, target_cfg)
     weights = strip_model_prefix(load_weights(folder))
     check_drafter_weights(cfg, weights, raw.get("quantization"))
     return cfg, weights

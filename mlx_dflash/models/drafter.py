@@ -43,26 +43,36 @@ DFLASH2_LINEAR_BLOCK = 5
 
 
 class DrafterAttention(nn.Module):
+    """Qwen3 attention (q/k norms before RoPE), plus what published drafters add: q/k/v/o
+    biases, partial RoPE, a value head size of its own, a value scale and per-head sink logits
+    (an extra softmax column with no value, as gpt-oss and MiMo's sliding layers have)."""
+
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
+        h, d, vd = cfg.hidden_size, cfg.head_dim, cfg.value_head_dim
         self.n_heads, self.n_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.scale = d**-0.5
-        self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.n_kv_heads * vd, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * vd, h, bias=bias)
         self.q_norm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
         self.k_norm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
         self.rope = initialize_rope(
-            d, cfg.rope_theta, False, cfg.rope_scaling, cfg.max_position_embeddings
+            cfg.rotary_dims, cfg.rope_theta, False, cfg.rope_scaling, cfg.max_position_embeddings
         )
+        self.value_scale = cfg.attention_value_scale
+        if cfg.attention_sink_bias:
+            self.attention_sink_bias = mx.zeros((self.n_heads,))
 
     def project_kv(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
         """K/V of x (1, L, H) at positions offset.., shaped (1, n_kv, L, d)."""
         L = x.shape[1]
         k = self.k_norm(self.k_proj(x).reshape(1, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(1, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        if self.value_scale is not None:
+            v = v * self.value_scale
         return self.rope(k, offset=offset), v
 
     def __call__(self, x, cache: ContextCache, start: int, mask) -> mx.array:
@@ -73,7 +83,10 @@ class DrafterAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).reshape(1, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=start)
         keys, values = cache.extend(*self.project_kv(x, start))
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        sinks = getattr(self, "attention_sink_bias", None)
+        out = mx.fast.scaled_dot_product_attention(
+            q, keys, values, scale=self.scale, mask=mask, sinks=sinks
+        )
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, L, -1))
 
 
@@ -130,8 +143,9 @@ class DFlashDrafter(nn.Module):
         self.layers = [layer(cfg) for _ in range(cfg.num_hidden_layers)]
         self.norm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
         if cfg.kind == "dflash2":
+            vocab = cast(int, cfg.vocab_size)  # a DFlash 2 config always has one
             self.candidate_selector = CandidateSelector(
-                cfg.vocab_size, h, cfg.selector_rank, cfg.selector_top_k
+                vocab, h, cfg.selector_rank, cfg.selector_top_k
             )
         self.draft_vocab: np.ndarray | None = None  # see DRAFT_VOCAB_FILE (numpy: not a weight)
 

@@ -18,17 +18,35 @@ DRAFTER_ARCHITECTURE = "DFlashDraftModel"
 # candidate selector whose drafts are a first-order chain over the top-k candidates.
 DRAFTER2_ARCHITECTURE = "DFlash2DraftModel"
 DRAFTER_ARCHITECTURES = (DRAFTER_ARCHITECTURE, DRAFTER2_ARCHITECTURE)
+# DFlash 1 drafters published under their own architecture name: Meta's Muse-Glimmer-30B
+# "assistant" (../shared/data/configs/meta-models__Muse-Glimmer-30B-assistant.*) is the same
+# drafter with top-level block_size / mask_token_id / target_layer_ids and `encoder.*` tensor
+# names (checkpoints/read.py renames them, as vLLM's qwen3_dflash weight mapper does).
+DFLASH1_ALIASES = ("MuseGlimmerAssistantModel",)
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# dflash_config fields of XiaomiMiMo/MiMo-V2.5-Pro-FP4-DFlash that no inference code reads:
+# `num_anchors` (blocks sampled per training sequence) and `loss_decay_gamma` (the per-slot
+# loss decay) are training settings. `backbone_rotary_base` (5e6, the MiMo target's
+# full-attention RoPE base) has no established meaning for the drafter: vLLM's qwen3_dflash
+# (the MiMo DFlash support of vllm-project/vllm PR #46104) ignores it and rotates context and
+# block alike with `rope_theta`, ik_llama.cpp PR #2048 rotates only the context keys with it,
+# and one deployment note applies it to both. We follow vLLM; whichever is right, only the
+# acceptance rate can change, never the output.
+UNUSED_DFLASH_FIELDS = ("num_anchors", "loss_decay_gamma", "backbone_rotary_base")
+ACTIVATIONS = (None, "silu")
 
 
 def architecture_of(cfg: dict[str, Any]) -> str | None:
-    """The drafter architecture a config.json declares (never guessed from a hub id)."""
+    """The drafter architecture a config.json declares (never guessed from a hub id); a DFlash
+    1 drafter published under its own name counts as DFlashDraftModel."""
     archs = cfg.get("architectures") or ()
     if isinstance(archs, str):
         archs = (archs,)
     for arch in (DRAFTER2_ARCHITECTURE, DRAFTER_ARCHITECTURE):
         if arch in archs:
             return arch
+    if any(arch in archs for arch in DFLASH1_ALIASES):
+        return DRAFTER_ARCHITECTURE
     return None
 
 
@@ -63,12 +81,20 @@ def _rope(cfg: dict) -> tuple[float, dict | None]:
     rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
     rope_scaling = cfg.get("rope_scaling")
     if rope_scaling is None and rope_params.get("rope_type", "default") not in ("default", None):
-        rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        rope_scaling = {
+            k: v for k, v in rope_params.items() if k not in ("rope_theta", "partial_rotary_factor")
+        }
     return float(rope_theta), rope_scaling
 
 
-def _layer_types(cfg: dict, n_layers: int) -> tuple[list[str], int | None]:
-    """(each layer's attention kind, the sliding window), checked."""
+def _layer_types(cfg: dict, dcfg: dict, n_layers: int) -> tuple[list[str], int | None, bool]:
+    """(each layer's attention kind, the sliding window, whether `dflash_config.use_swa` made
+    every layer sliding), checked.
+
+    MiMo's drafter says `use_swa` / `swa_window_size` instead of layer_types: every layer is a
+    non-causal sliding window (vLLM's `_resolve_layer_attention`, which names that
+    checkpoint); `use_swa` only overrides a layer_types list without sliding entries.
+    """
     layer_types = cfg.get("layer_types") or ["full_attention"] * n_layers
     if len(layer_types) != n_layers:
         raise DFlashError(
@@ -77,10 +103,55 @@ def _layer_types(cfg: dict, n_layers: int) -> tuple[list[str], int | None]:
     for t in layer_types:
         if t not in ("full_attention", "sliding_attention"):
             raise DFlashError(f"Unknown drafter layer type '{t}'.")
-    sliding_window = cfg.get("sliding_window")
+    use_swa = bool(dcfg.get("use_swa")) and "sliding_attention" not in layer_types
+    if use_swa:
+        layer_types = ["sliding_attention"] * n_layers
+    sliding_window = dcfg.get("swa_window_size", cfg.get("sliding_window"))
     if "sliding_attention" in layer_types and not sliding_window:
         raise DFlashError("The drafter has sliding-attention layers but no sliding_window.")
-    return list(layer_types), None if sliding_window is None else int(sliding_window)
+    window = None if sliding_window is None else int(sliding_window)
+    return list(layer_types), window, use_swa
+
+
+def _causality(cfg: dict, dcfg: dict, use_swa: bool) -> bool | None:
+    """An explicit causality for every layer, or None (sliding layers causal, full ones not).
+    `dflash_config.causal` is how vLLM and ModelOpt exports spell it; use_swa layers are
+    non-causal unless told otherwise."""
+    is_causal = cfg.get("is_causal", dcfg.get("is_causal", dcfg.get("causal")))
+    if is_causal is None and use_swa:
+        return False
+    return None if is_causal is None else bool(is_causal)
+
+
+def _attention_fields(cfg: dict, dcfg: dict, head_dim: int) -> dict[str, Any]:
+    """The attention variants beyond Qwen3's: q/k/v/o biases (gpt-oss drafters), per-head sink
+    logits and a value scale (MiMo's, as its target's sliding layers and mlx-lm's
+    mimo_v2_flash use them), a value head size and partial RoPE. Checked."""
+    if cfg.get("hidden_act") not in ACTIVATIONS:
+        raise DFlashError(
+            f"The drafter's hidden_act '{cfg['hidden_act']}' is not supported: its MLP is SiLU-gated."
+        )
+    factor = cfg.get(
+        "partial_rotary_factor",
+        (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0),
+    )
+    factor = float(1.0 if factor is None else factor)
+    rotary = int(head_dim * factor)
+    if not 0 < factor <= 1 or rotary % 2:
+        raise DFlashError(
+            f"The drafter's partial_rotary_factor {factor} does not give an even number of "
+            f"rotated dimensions out of its head_dim {head_dim}."
+        )
+    value_scale = dcfg.get("attention_value_scale", cfg.get("attention_value_scale"))
+    sinks = dcfg.get("attention_sink_bias", cfg.get("attention_sink_bias"))
+    v_head_dim = cfg.get("v_head_dim")
+    return {
+        "v_head_dim": None if v_head_dim in (None, head_dim) else int(v_head_dim),
+        "partial_rotary_factor": factor,
+        "attention_bias": bool(cfg.get("attention_bias")),
+        "attention_sink_bias": bool(sinks),
+        "attention_value_scale": None if value_scale is None else float(value_scale),
+    }
 
 
 def _dflash2_fields(cfg: dict, dcfg: dict, hidden: int) -> dict[str, int]:
@@ -111,7 +182,8 @@ class DrafterConfig:
     num_key_value_heads: int
     head_dim: int
     intermediate_size: int
-    vocab_size: int
+    # None: the config does not say (Muse's assistant); the target's, once paired with one.
+    vocab_size: int | None
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 40960
     block_size: int = 16
@@ -126,6 +198,12 @@ class DrafterConfig:
     input_embedding_scale: float | None = None
     output_multiplier: float | None = None
     final_logit_softcapping: float | None = None
+    # Attention variants (see _attention_fields); the defaults are z-lab's Qwen3 layers.
+    v_head_dim: int | None = None  # None: head_dim
+    partial_rotary_factor: float = 1.0
+    attention_bias: bool = False
+    attention_sink_bias: bool = False
+    attention_value_scale: float | None = None
     # DFlash 2 only (all 0 for DFlash 1): the dynamic convolution and the candidate selector.
     conv_kernel_size: int = 0
     conv_group_size: int = 0
@@ -158,6 +236,15 @@ class DrafterConfig:
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
 
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def rotary_dims(self) -> int:
+        """The leading dimensions of each query/key head that RoPE rotates (all by default)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
     def layer_is_causal(self, i: int) -> bool:
         """Sliding layers are causal inside the block unless `is_causal` says otherwise."""
         if self.is_causal is not None:
@@ -175,7 +262,7 @@ class DrafterConfig:
         dcfg = cfg.get("dflash_config") or {}
 
         def need(key: str) -> Any:
-            if key not in cfg:
+            if cfg.get(key) is None:
                 raise DFlashError(f"The drafter config.json has no '{key}' field.")
             return cfg[key]
 
@@ -200,14 +287,17 @@ class DrafterConfig:
             )
 
         rope_theta, rope_scaling = _rope(cfg)
-        layer_types, sliding_window = _layer_types(cfg, n_layers)
+        layer_types, sliding_window, use_swa = _layer_types(cfg, dcfg, n_layers)
 
         def opt_float(key: str) -> float | None:
             v = dcfg.get(key, cfg.get(key))
             return None if v is None else float(v)
 
-        is_causal = cfg.get("is_causal", dcfg.get("is_causal"))
-        dflash2 = _dflash2_fields(cfg, dcfg, hidden)
+        is_causal = _causality(cfg, dcfg, use_swa)
+        dflash2: dict[str, Any] = _dflash2_fields(cfg, dcfg, hidden)
+        vocab = cfg.get("vocab_size")
+        if vocab is None and dflash2:
+            raise DFlashError("The DFlash 2 drafter config has no 'vocab_size' field.")
         return cls(
             hidden_size=hidden,
             num_hidden_layers=n_layers,
@@ -215,7 +305,7 @@ class DrafterConfig:
             num_key_value_heads=n_kv,
             head_dim=head_dim,
             intermediate_size=int(need("intermediate_size")),
-            vocab_size=int(need("vocab_size")),
+            vocab_size=None if vocab is None else int(vocab),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 40960)),
             block_size=int(block_size),
@@ -226,10 +316,11 @@ class DrafterConfig:
             rope_scaling=rope_scaling,
             layer_types=layer_types,
             sliding_window=sliding_window,
-            is_causal=None if is_causal is None else bool(is_causal),
+            is_causal=is_causal,
             input_embedding_scale=opt_float("input_embedding_scale"),
             output_multiplier=opt_float("output_multiplier"),
             final_logit_softcapping=opt_float("final_logit_softcapping"),
+            **_attention_fields(cfg, dcfg, head_dim),
             **dflash2,
         )
 
@@ -248,10 +339,17 @@ class DrafterConfig:
             "input_embedding_scale",
             "output_multiplier",
             "final_logit_softcapping",
+            "attention_value_scale",
         ):
             v = d.pop(k)
             if v is not None:
                 dflash[k] = v
+        if d.pop("attention_sink_bias"):  # where MiMo's config has it
+            dflash["attention_sink_bias"] = True
+        if d["v_head_dim"] is None:
+            del d["v_head_dim"]
+        if d["partial_rotary_factor"] == 1.0:
+            del d["partial_rotary_factor"]
         arch = DRAFTER2_ARCHITECTURE if self.kind == "dflash2" else DRAFTER_ARCHITECTURE
         out = {"architectures": [arch], "model_type": "qwen3", **d}
         if is_causal is not None:  # top level, where the published configs and z-lab read it
@@ -259,5 +357,4 @@ class DrafterConfig:
         out["block_size"] = dflash["block_size"]
         out["dflash_config"] = dflash
         out["tie_word_embeddings"] = False
-        out["attention_bias"] = False
         return out

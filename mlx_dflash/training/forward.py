@@ -12,6 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..errors import DFlashError
 from ..models.drafter import DFlashDrafter, drafter_logits
 from ..models.drafter_config import DrafterConfig
 
@@ -122,6 +123,7 @@ def drafter_blocks(
 ) -> mx.array:
     """Hidden states (B, m, bs, H) of every block [tokens[a], MASK...] at its anchor a."""
     cfg = drafter.cfg
+    check_trainable(cfg)
     B, T = tokens.shape
     m, bs = anchors.shape[1], cfg.block_size
     first = mx.take_along_axis(tokens, anchors, axis=1)  # (B, m)
@@ -147,6 +149,16 @@ def drafter_blocks(
         x, d = _prepare(conv, layer.post_attention_layernorm(h), m, bs)
         h = h + _finish(conv, layer.mlp(x), d)
     return drafter.norm(h).reshape(B, m, bs, -1)
+
+
+def check_trainable(cfg: DrafterConfig) -> None:
+    """block_attention computes z-lab's attention only: a drafter with sink logits, a value
+    scale or a value head size of its own (MiMo's) is refused rather than trained wrongly."""
+    if cfg.attention_sink_bias or cfg.attention_value_scale is not None or cfg.v_head_dim:
+        raise DFlashError(
+            "Training does not model attention sinks, value scales or a separate value head "
+            "size yet, so this drafter cannot be trained here."
+        )
 
 
 def _prepare(conv, x: mx.array, m: int, bs: int):
