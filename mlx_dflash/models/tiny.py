@@ -30,6 +30,11 @@ DRAFTER_VARIANTS = (
     "sliding",
     "is_causal",
     "embedding_scale_softcap",
+    "use_swa_sinks",
+    "attention_bias",
+    "assistant",
+    "yarn",
+    "tied_softcap",
 )
 
 # Tokenizer layout: specials, then byte-level symbols for printable ASCII, then letter-pair merges.
@@ -280,9 +285,11 @@ def drafter_config_dict(
 
     Variants: "toplevel_block_size", "dflash_config_block_size", "rope_parameters",
     "no_target_layer_ids" (keeps num_target_layers), "sliding" (layer_types + sliding_window),
-    "is_causal", "embedding_scale_softcap". Top-level kwargs override (None deletes a key); a
-    `dflash_config={...}` kwarg is merged into the nested block the same way. The mask token is
-    the target's last vocabulary id.
+    "is_causal", "embedding_scale_softcap", and the fields of newer published drafters (see
+    `_published_variant`): "use_swa_sinks" (MiMo), "attention_bias" (gpt-oss), "assistant"
+    (Muse Glimmer's), "yarn" (Kimi), "tied_softcap" (Gemma 4). Top-level kwargs override (None
+    deletes a key); a `dflash_config={...}` kwarg is merged into the nested block the same
+    way. The mask token is the target's last vocabulary id.
     """
     if variant not in DRAFTER_VARIANTS:
         raise ValueError(f"unknown drafter variant {variant!r}; use one of {DRAFTER_VARIANTS}")
@@ -335,25 +342,67 @@ def drafter_config_dict(
         dflash["input_embedding_scale"] = math.sqrt(hidden)
         dflash["final_logit_softcapping"] = 30.0
         dflash["output_multiplier"] = 0.5
+    else:
+        _published_variant(variant, cfg, n_target)
     dflash_overrides = overrides.pop("dflash_config", None) or {}
     cfg = _merge(cfg, overrides)
-    cfg["dflash_config"] = _merge(cfg["dflash_config"], dflash_overrides)
+    if "dflash_config" in cfg or dflash_overrides:
+        cfg["dflash_config"] = _merge(cfg.get("dflash_config", {}), dflash_overrides)
     return cfg
 
 
+def _published_variant(variant: str, cfg: dict[str, Any], n_target: int) -> None:
+    """The fields newer published drafters add, in place (values as published; sizes fit the
+    tiny target). Sources: ../shared/data/configs/SOURCES.md and the verbatim configs there."""
+    dflash = cfg["dflash_config"]
+    if variant == "use_swa_sinks":  # XiaomiMiMo/MiMo-V2.5-Pro-FP4-DFlash (verbatim config)
+        cfg.update(v_head_dim=cfg["head_dim"], partial_rotary_factor=0.5, sliding_window=8)
+        dflash.update(use_swa=True, swa_window_size=8, attention_sink_bias=True)
+        dflash.update(attention_value_scale=0.612, num_anchors=4096, loss_decay_gamma=7.0)
+        dflash.update(backbone_rotary_base=5000000)
+        dflash["target_layer_ids"] = [0, n_target // 2, n_target - 1]  # the last layer too
+    elif variant == "attention_bias":  # gpt-oss-20b-DFlash
+        cfg.update(model_type="gpt_oss", attention_bias=True, rope_theta=150000.0)
+    elif variant == "assistant":  # meta-models/Muse-Glimmer-30B-assistant (verbatim config)
+        cfg.update(architectures=["MuseGlimmerAssistantModel"], model_type="muse_glimmer_assistant")
+        del cfg["vocab_size"], cfg["num_target_layers"], cfg["dflash_config"]
+        cfg.update(
+            mask_token_id=dflash["mask_token_id"], target_layer_ids=dflash["target_layer_ids"]
+        )
+    elif variant == "yarn":  # Kimi-K2.6-DFlash: yarn in rope_parameters
+        del cfg["rope_theta"], cfg["rope_scaling"]
+        cfg["rope_parameters"] = {
+            "rope_theta": 50000.0,
+            "rope_type": "yarn",
+            "factor": 64.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 4096,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        }
+    elif variant == "tied_softcap":  # gemma-4-31B-it-DFlash
+        cfg.update(tie_word_embeddings=True, final_logit_softcapping=30.0, rope_theta=1000000.0)
+
+
 def drafter_tensor_shapes(cfg_dict: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """The z-lab tensor names and torch [out, in] shapes for a raw drafter config."""
+    """The published tensor names and torch [out, in] shapes for a raw drafter config: z-lab's,
+    plus the biases (`attention_bias`) and sink logits (`dflash_config.attention_sink_bias`)
+    of the variants that have them, and Muse Glimmer's assistant's `encoder.*` names."""
     d = cfg_dict.get("dflash_config") or {}
     hidden = int(cfg_dict["hidden_size"])
     n_heads = int(cfg_dict["num_attention_heads"])
     n_kv = int(cfg_dict.get("num_key_value_heads") or n_heads)
     hd = int(cfg_dict.get("head_dim") or hidden // n_heads)
+    vd = int(cfg_dict.get("v_head_dim") or hd)
     inter = int(cfg_dict["intermediate_size"])
     n_layers = int(cfg_dict["num_hidden_layers"])
-    n_taps = len(d.get("target_layer_ids") or []) or int(d.get("num_taps", n_layers))
+    taps = d.get("target_layer_ids") or cfg_dict.get("target_layer_ids") or []
+    n_taps = len(taps) or int(d.get("num_taps", n_layers))
+    assistant = "MuseGlimmerAssistantModel" in (cfg_dict.get("architectures") or ())
     shapes: dict[str, tuple[int, ...]] = {
-        "fc.weight": (hidden, n_taps * hidden),
-        "hidden_norm.weight": (hidden,),
+        "encoder.fc.weight" if assistant else "fc.weight": (hidden, n_taps * hidden),
+        "encoder.output_norm_enc.weight" if assistant else "hidden_norm.weight": (hidden,),
         "norm.weight": (hidden,),
     }
     for i in range(n_layers):
@@ -364,8 +413,8 @@ def drafter_tensor_shapes(cfg_dict: Mapping[str, Any]) -> dict[str, tuple[int, .
                 p + "post_attention_layernorm.weight": (hidden,),
                 p + "self_attn.q_proj.weight": (n_heads * hd, hidden),
                 p + "self_attn.k_proj.weight": (n_kv * hd, hidden),
-                p + "self_attn.v_proj.weight": (n_kv * hd, hidden),
-                p + "self_attn.o_proj.weight": (hidden, n_heads * hd),
+                p + "self_attn.v_proj.weight": (n_kv * vd, hidden),
+                p + "self_attn.o_proj.weight": (hidden, n_heads * vd),
                 p + "self_attn.q_norm.weight": (hd,),
                 p + "self_attn.k_norm.weight": (hd,),
                 p + "mlp.gate_proj.weight": (inter, hidden),
@@ -373,12 +422,19 @@ def drafter_tensor_shapes(cfg_dict: Mapping[str, Any]) -> dict[str, tuple[int, .
                 p + "mlp.down_proj.weight": (hidden, inter),
             }
         )
+        if cfg_dict.get("attention_bias"):
+            sizes = {"q": n_heads * hd, "k": n_kv * hd, "v": n_kv * vd, "o": hidden}
+            shapes.update({f"{p}self_attn.{k}_proj.bias": (n,) for k, n in sizes.items()})
+        if d.get("attention_sink_bias"):
+            shapes[p + "self_attn.attention_sink_bias"] = (n_heads,)
     return shapes
 
 
 def _random_tensor(name: str, shape: tuple[int, ...]) -> mx.array:
     if len(shape) == 1 and "norm" in name:
         return 1.0 + 0.05 * mx.random.normal(shape)
+    if name.endswith("attention_sink_bias"):  # logits of the order of the scores: they matter
+        return mx.random.normal(shape)
     return 0.05 * mx.random.normal(shape)
 
 
@@ -402,7 +458,7 @@ def write_drafter_checkpoint(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     shapes = drafter_tensor_shapes(cfg_dict)
-    hidden, vocab = int(cfg_dict["hidden_size"]), int(cfg_dict["vocab_size"])
+    hidden, vocab = int(cfg_dict["hidden_size"]), int(cfg_dict.get("vocab_size") or 256)
     if isinstance(extra_keys, Mapping):
         extra = {k: tuple(v) for k, v in extra_keys.items()}
     else:
