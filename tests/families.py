@@ -29,6 +29,11 @@ from mlx_dflash.models.target import model_classes
 from mlx_dflash.models.tiny import write_tiny_tokenizer
 
 WINDOW = 8  # every shrunk sliding window: the tests decode far past it
+MXFP4 = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+
+
+def _is_expert(path: str, module) -> bool:
+    return ".experts." in path and hasattr(module, "to_quantized")
 
 
 def _alternate(n: int, period: int) -> list[str]:
@@ -388,27 +393,61 @@ def _hf_gemma4(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     return out
 
 
-def write_family(path: str | Path, name: str, seed: int = 0) -> Path:
-    """A target folder of family `name`, shrunk, in the layout its users download."""
+def _hf_gpt_oss(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """mlx-lm's MXFP4 gpt-oss experts back to OpenAI's release: gate and up interleaved row by
+    row in `gate_up_proj_{blocks,scales,bias}`, the 4-bit codes as bytes (16 per block of 32)."""
+    out = {}
+    for k, v in weights.items():
+        if ".experts." not in k:
+            out[k] = v
+            continue
+        base, proj, kind = k.rsplit(".", 2)  # ...experts, gate_proj, weight|scales|bias
+        if proj == "up_proj":
+            continue
+        if proj == "gate_proj":  # rows gate 0, up 0, gate 1, up 1, ...
+            up = weights[f"{base}.up_proj.{kind}"]
+            rows = v.ndim - (1 if kind == "bias" else 2)
+            v = mx.stack([v, up], axis=rows + 1)
+            v = v.reshape(*v.shape[:rows], -1, *v.shape[rows + 2 :])
+            proj = "gate_up_proj"
+        if kind == "weight":  # uint32 words of 8 codes -> (..., blocks, 16 bytes)
+            v = v.view(mx.uint8).reshape(*v.shape[:-1], -1, 16)
+        out[f"{base}.{proj}_{dict(weight='blocks').get(kind, kind)}"] = v
+    return out
+
+
+def write_family(path: str | Path, name: str, seed: int = 0, layout: str = "") -> Path:
+    """A target folder of family `name`, shrunk, in the layout its users download;
+    layout="hf" for gpt-oss: OpenAI's own release (MXFP4 `_blocks` / `_scales` tensors)."""
     from mlx_lm.utils import save_config, save_model
 
     path = Path(path)
     cfg = shrink(FAMILIES[name])
     model = build(cfg, seed)
-    if name.startswith("gemma4"):
+    if layout == "hf" and name == "gpt-oss-20b":
+        nn.quantize(model, **MXFP4, class_predicate=_is_expert)
+        path.mkdir(parents=True, exist_ok=True)
+        weights = _hf_gpt_oss(dict(tree_flatten(model.parameters())))
+        mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
+        cfg["quantization_config"] = {
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+            "quant_method": "mxfp4",
+        }
+        (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    elif name.startswith("gemma4"):
         path.mkdir(parents=True, exist_ok=True)
         weights = _hf_gemma4(dict(tree_flatten(model.parameters())))
         mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
         (path / "config.json").write_text(json.dumps(cfg, indent=2))
     else:
         if name == "gpt-oss-20b":  # mlx-community's MXFP4 copies: the experts quantized
-            quant = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
-            nn.quantize(
-                model,
-                **quant,
-                class_predicate=lambda p, m: ".experts." in p and hasattr(m, "to_quantized"),
-            )
-            cfg["quantization"] = cfg["quantization_config"] = quant
+            nn.quantize(model, **MXFP4, class_predicate=_is_expert)
+            cfg["quantization"] = cfg["quantization_config"] = dict(MXFP4)
         save_model(path, model)
         save_config(cfg, path / "config.json")
     write_tiny_tokenizer(path, 256)

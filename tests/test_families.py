@@ -149,3 +149,20 @@ def test_unverifiable_families_are_refused_in_one_sentence(config, words, tmp_pa
     (tmp_path / "config.json").write_text(json.dumps(config))
     code, _, err = run_cli("generate", "-m", str(tmp_path), "--prompt", "hi", "--mode", "ar")
     assert code != 0 and words in err and "Traceback" not in err
+
+
+def test_openais_mxfp4_release_layout_loads_and_runs_exactly(tmp_path):
+    """gpt-oss as OpenAI publishes it (MXFP4 experts as `_blocks` / `_scales` bytes, gate and
+    up interleaved, a `quant_method: mxfp4` quantization_config) loads through mlx-lm's own
+    sanitize into the same model as mlx-community's copy, and decodes exactly."""
+    hf = load_target(write_family(tmp_path / "hf", "gpt-oss-20b", layout="hf"))
+    mlx = load_target(write_family(tmp_path / "mlx", "gpt-oss-20b"))
+    ref = mlx_lm_greedy(hf, PROMPT, N)
+    assert ref == mlx_lm_greedy(mlx, PROMPT, N)
+    hf.set_taps([1, 5])
+    for mode, budget, lookup in [("dflash", 1, 0), ("ddtree", 16, 4)]:
+        oracle = OracleDrafter(PROMPT + ref, hf.vocab_size, block_size=8, corrupt=0.3)
+        out, _ = run(
+            Session(hf, oracle), PROMPT, max_tokens=N, mode=mode, budget=budget, lookup=lookup
+        )
+        assert out == ref, (mode, budget)
