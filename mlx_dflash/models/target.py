@@ -242,9 +242,12 @@ class Target:
         return h
 
     def token_embeddings(self, tokens: mx.array) -> mx.array:
-        """The embedding table's rows, as a drafter reads them (z-lab's drafters take the
-        target's table, not its input transform: Muse Glimmer's embedding norm stays out)."""
-        return self.inner.embed_tokens(tokens)
+        """The target's embedding module's output, as a drafter reads it: z-lab's drafters call
+        the target's `embed_tokens`, not its input transform, so Muse Glimmer's embedding norm
+        stays out; Gemma's sqrt(hidden) scale stays in, since Hugging Face's Gemma embedding
+        module applies it itself (mlx-lm applies it after the lookup)."""
+        h = self.inner.embed_tokens(tokens)
+        return h * self.inner.embed_scale if self.family.embedding_scale else h
 
     def _untied_head(self):
         """The model's own lm_head, or None when it is tied to the embeddings."""
