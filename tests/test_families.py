@@ -166,3 +166,14 @@ def test_openais_mxfp4_release_layout_loads_and_runs_exactly(tmp_path):
             Session(hf, oracle), PROMPT, max_tokens=N, mode=mode, budget=budget, lookup=lookup
         )
         assert out == ref, (mode, budget)
+
+
+def test_gemma_drafters_read_the_scaled_embeddings(family):
+    """z-lab's drafters call the target's `embed_tokens`; Hugging Face's Gemma embedding
+    module multiplies by sqrt(hidden_size) itself, so the drafter reads scaled rows there and
+    raw rows elsewhere."""
+    name, target, _ = family
+    ids = mx.array([3, 7, 11])
+    raw = target.inner.embed_tokens(ids)
+    scale = target.hidden_size**0.5 if name.startswith("gemma4") else 1.0
+    assert mx.allclose(target.token_embeddings(ids), raw * scale).item()
