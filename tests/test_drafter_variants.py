@@ -497,3 +497,25 @@ def test_training_refuses_what_its_attention_does_not_model(tmp_path):
     check_trainable(DrafterConfig.from_dict(shrink(published("gpt-oss-20b"), 8)))
     _refused("attention sinks", check_trainable,
              DrafterConfig.from_dict(shrink(published("mimo-v2.5-pro"), 8)))  # fmt: skip
+
+
+def test_training_forward_is_the_inference_forward(pair):
+    """What `dflash-mlx train` computes for a block at anchor a equals what the drafter proposes
+    there (biases, partial RoPE, windows, YaRN included); MiMo's is refused (above)."""
+    from mlx_dflash.models.drafter import drafter_logits
+    from mlx_dflash.training.forward import drafter_blocks
+
+    target, raw, folder, cfg, _ = pair
+    drafter = load_drafter(folder, target_config=raw)
+    if drafter.cfg.attention_sink_bias:
+        return
+    target.set_taps(drafter.cfg.target_layer_ids)
+    _, taps = target.forward(mx.array(PROMPT), target.make_cache(), 0)
+    anchors = [5, 21]
+    h = drafter_blocks(drafter, target, taps[None], mx.array([PROMPT]), mx.array([anchors]))
+    logits = drafter_logits(drafter.cfg, target, h)
+    for j, a in enumerate(anchors):
+        runner = DrafterRunner(drafter, target)
+        runner.add_context(taps[:a])
+        ref = runner.propose(PROMPT[a], a, drafter.cfg.block_size - 1).logits
+        np.testing.assert_allclose(np.array(logits[0, j, 1:]), np.array(ref), atol=1e-4)
