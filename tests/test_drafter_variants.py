@@ -26,8 +26,8 @@ import drafter_reference as R
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
 from families import FAMILIES, write_family
+from mlx.utils import tree_flatten
 from oracle import diversify
 from published import MUSE_GLIMMER_30B, QWEN3_5_4B, published_file, write_published
 from test_engine import mlx_lm_greedy, run
@@ -38,7 +38,7 @@ from mlx_dflash.engine import Session
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.drafter import DrafterRunner, load_drafter
 from mlx_dflash.models.drafter_config import UNUSED_DFLASH_FIELDS, DrafterConfig
-from mlx_dflash.models.target import load_target
+from mlx_dflash.models.target import Target, load_target
 from mlx_dflash.models.tiny import _published_taps, write_drafter_checkpoint, write_tiny_target
 
 PROMPT = list(range(3, 33))
@@ -169,13 +169,19 @@ VARIANTS = {
     "muse-assistant": "muse",
     "gpt-oss-20b": "gpt-oss-20b",  # tests/families.py: the drafters' own target families
     "gemma-4-31b-it": "gemma4-31b",
-    "kimi-k2.6": "qwen3",
+    "kimi-k2.6": "kimi_k25",  # tests/test_mla.py's Kimi-K2.5 fixture: the same target family
 }
 
 
 def write_target(root: Path, kind: str) -> Path:
     if kind in FAMILIES:
         return write_family(root, kind)
+    if kind == "kimi_k25":  # clear of MoE routing ties, as tests/test_distributed.py draws it
+        from test_mla import CONFIGS, build, clear_of_ties, save_folder
+
+        cfg = CONFIGS[kind]
+        target, _ = clear_of_ties(lambda seed: Target(build(cfg, seed), None, cfg), N, margin=1e-2)
+        return save_folder(root, target.model, cfg)
     if kind == "muse":
         return write_published(root, "meta-models/Muse-Glimmer-30B", "hf")
     if kind == "qwen3_5":
@@ -207,7 +213,7 @@ def targets(tmp_path_factory):
         if kind not in made:
             folder = write_target(tmp_path_factory.mktemp(kind), kind)
             target = load_target(folder)
-            if kind not in FAMILIES:  # those come with weights fit for their family
+            if kind not in FAMILIES and kind != "kimi_k25":  # those come with fit weights
                 diversify(target.model)
             raw = json.loads((folder / "config.json").read_text())
             made[kind] = (target, raw, mlx_lm_greedy(target, PROMPT, N))
