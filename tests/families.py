@@ -416,15 +416,62 @@ def _hf_gpt_oss(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     return out
 
 
+# MiniMax's own release: FP8 (e4m3) weights in 128 x 128 blocks with an inverse scale each,
+# as the published quantization_config declares it (copied from a public vLLM test fixture of
+# MiniMax-M2's config); the router, its bias and the head stay in bf16.
+MINIMAX_FP8 = {
+    "activation_scheme": "dynamic",
+    "fmt": "float8_e4m3fn",
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128],
+    "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"],
+}
+
+
+def _fp8_blocks(w: mx.array, block: int = 128) -> tuple[mx.array, mx.array]:
+    """(e4m3 codes as bytes, inverse scales per block): w ~ codes * scale, block by block."""
+    m, n = w.shape
+    bm, bn = -(-m // block), -(-n // block)
+    padded = mx.pad(w, ((0, bm * block - m), (0, bn * block - n)))
+    blocks = padded.reshape(bm, block, bn, block)
+    scale = mx.maximum(mx.abs(blocks).max(axis=(1, 3)), 1e-12) / 448.0
+    codes = mx.to_fp8(blocks / scale[:, None, :, None]).reshape(bm * block, bn * block)
+    return codes[:m, :n], scale
+
+
+def _hf_minimax_fp8(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """mlx-lm's MiniMax names back to the release: experts one by one as w1 (gate), w3 (up),
+    w2 (down), and every projection in FP8 blocks."""
+    out: dict[str, mx.array] = {}
+    names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+    for k, v in weights.items():
+        if ".switch_mlp." in k:
+            base, proj = k.split(".switch_mlp.")
+            for e in range(v.shape[0]):
+                out[f"{base}.experts.{e}.{names[proj.split('.')[0]]}.weight"] = v[e]
+        else:
+            out[k] = v
+    for k in [k for k in out if k.endswith("proj.weight") or ".experts." in k]:
+        out[k], out[k + "_scale_inv"] = _fp8_blocks(out[k])
+    return out
+
+
 def write_family(path: str | Path, name: str, seed: int = 0, layout: str = "") -> Path:
     """A target folder of family `name`, shrunk, in the layout its users download;
-    layout="hf" for gpt-oss: OpenAI's own release (MXFP4 `_blocks` / `_scales` tensors)."""
+    layout="hf": OpenAI's own gpt-oss release (MXFP4 `_blocks` / `_scales` tensors), MiniMax's
+    own FP8 release."""
     from mlx_lm.utils import save_config, save_model
 
     path = Path(path)
     cfg = shrink(FAMILIES[name])
     model = build(cfg, seed)
-    if layout == "hf" and name == "gpt-oss-20b":
+    if layout == "hf" and name == "minimax-m2":
+        path.mkdir(parents=True, exist_ok=True)
+        weights = _hf_minimax_fp8(dict(tree_flatten(model.parameters())))
+        mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
+        cfg["quantization_config"] = MINIMAX_FP8
+        (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    elif layout == "hf" and name == "gpt-oss-20b":
         nn.quantize(model, **MXFP4, class_predicate=_is_expert)
         path.mkdir(parents=True, exist_ok=True)
         weights = _hf_gpt_oss(dict(tree_flatten(model.parameters())))

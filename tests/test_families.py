@@ -177,3 +177,24 @@ def test_gemma_drafters_read_the_scaled_embeddings(family):
     raw = target.inner.embed_tokens(ids)
     scale = target.hidden_size**0.5 if name.startswith("gemma4") else 1.0
     assert mx.allclose(target.token_embeddings(ids), raw * scale).item()
+
+
+def test_minimaxs_fp8_release_converts_and_runs_exactly(tmp_path, run_cli):
+    """MiniMax as released (FP8 e4m3 blocks with inverse scales, experts one by one) converts
+    through mlx-lm's own dequantization to a float32 folder that keeps the FP8 values and
+    decodes exactly."""
+    hf = write_family(tmp_path / "hf", "minimax-m2", layout="hf")
+    code, _, err = run_cli("convert", hf, "--out", tmp_path / "mlx", "--dtype", "float32")
+    assert code == 0, err
+    target = load_target(tmp_path / "mlx")
+    codes = mx.load(str(hf / "model.safetensors"))
+    q = codes["model.layers.0.self_attn.q_proj.weight"]
+    scale = codes["model.layers.0.self_attn.q_proj.weight_scale_inv"][0, 0]
+    expect = (mx.from_fp8(q, dtype=mx.bfloat16) * scale).astype(mx.float32)
+    got = target.layers[0].self_attn.q_proj.weight
+    assert got.dtype == mx.float32 and mx.allclose(got, expect, rtol=1e-2, atol=1e-6).item()
+    ref = mlx_lm_greedy(target, PROMPT, N)
+    target.set_taps([1, 5])
+    oracle = OracleDrafter(PROMPT + ref, target.vocab_size, block_size=8, corrupt=0.3)
+    out, _ = run(Session(target, oracle), PROMPT, max_tokens=N, mode="ddtree", budget=16)
+    assert out == ref and len(set(ref)) > 8
