@@ -49,12 +49,42 @@ def attention(
     else start..start+T-1) and causal or tree attention (`parents`); K/V appended to `cache`.
     `masks` is shared by the layers of one verify, so a tree's mask is built once.
     `window`: a sliding-window layer's width (a query sees the `window` newest positions)."""
-    T = x.shape[1]
+    q, k, v, gate = _qkv(attn, spec, x, start, positions)
+    out = attend_cached(attn, q, k, v, cache, start, positions, parents, masks, window)
+    return _output(attn, out, gate)
+
+
+def packed_attention(attn, spec: AttentionSpec, x, positions, rows, window=None) -> mx.array:
+    """Several sequences' tokens packed along x (1, sum T, H) (models/packed.py): the
+    projections run once over all of them, then each row `(a, b, cache, start, positions,
+    parents, masks)` (its tokens a:b) attends over its own cache. `positions`: every packed
+    token's position."""
+    q, k, v, gate = _qkv(attn, spec, x, 0, positions)
+    outs = [
+        attend_cached(attn, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], c, s, p, par, m, window)
+        for a, b, c, s, p, par, m in rows
+    ]
+    return _output(attn, mx.concatenate(outs, axis=2), gate)
+
+
+def _qkv(attn, spec: AttentionSpec, x, start: int, positions):
+    """q (1, heads, T, D) and k (1, kv, T, D) rotated at their positions, v (1, kv, T, Dv), and
+    the output gate or None."""
     q, k, v, gate = _project(attn, spec, x) if spec.project is None else spec.project(attn, x)
     q, k = _rotate(attn, q, k, start, positions)
-    keys, values = cache.append(k, v.transpose(0, 2, 1, 3))
+    return q, k, v.transpose(0, 2, 1, 3), gate
+
+
+def attend_cached(attn, q, k, v, cache, start, positions, parents, masks, window):
+    """Append k, v to the cache and attend q over every key it holds."""
+    keys, values = cache.append(k, v)
     held_from = getattr(cache, "dropped", 0)  # a windowed cache's first held position
-    out = _attend(attn, q, keys, values, start, positions, parents, masks, window, held_from)
+    return _attend(attn, q, keys, values, start, positions, parents, masks, window, held_from)
+
+
+def _output(attn, out, gate) -> mx.array:
+    """(1, heads, T, Dv) attention output, gated, through o_proj."""
+    T = out.shape[2]
     out = out.transpose(0, 2, 1, 3).reshape(1, T, -1)
     if gate is not None:
         out = out * mx.sigmoid(gate)

@@ -28,6 +28,7 @@ from .gated_deltanet import RecurrentCache, gdn_forward
 from .gemma4 import gemma4_block, gemma4_project
 from .minimax import minimax_project
 from .mla import is_mla, mla_attention
+from .packed import forward_packed
 
 
 def prenorm_block(layer, h, mix):
@@ -323,6 +324,11 @@ class Target:
         if tapped:  # config order, not layer order
             out_taps = mx.concatenate([tapped[t] for t in self.tap_ids], axis=-1)
         return self.head(h, logits), out_taps
+
+    def forward_rows(self, passes: list) -> list[tuple[mx.array | None, mx.array | None]]:
+        """Several sessions' forwards (models/packed.py Pass) as one packed forward: each
+        row's (logits, taps), as `forward` gives it alone."""
+        return forward_packed(self, passes)
 
     def head(self, h: mx.array, logits: str) -> mx.array | None:
         """Final norm and LM head over all positions, the last one, or none."""
