@@ -1,0 +1,142 @@
+"""Batched rounds: several generations share every target forward.
+
+Every kind of round (DFlash blocks, DDTree trees, lookup, grammar, DFlash 2 lattices, plain
+steps, prefill chunks) reaches the target through `Session.target.forward`. Here that target is
+a `BatchedTarget`: its forward leaves the row's pass with the `Batcher` and suspends the row;
+once every row has either asked for a forward or ended, the pending passes run as one packed
+forward (models/packed.py: weights read once for all rows) and each row resumes with its own
+result. So rows join and leave between any two forwards, each keeps its own caches,
+acceptance, trims and compactions, and the round code is the one a single generation runs.
+
+Rows are greenlets on the calling thread: MLX streams belong to a thread (an array made on one
+cannot be evaluated on another), so the rows must share the thread, and greenlets let a row
+suspend inside a forward without turning every round function into a generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from greenlet import getcurrent, greenlet
+
+from ..models.packed import Pass
+
+
+@dataclass
+class _Slot:
+    p: Pass
+    row: Any  # the greenlet waiting for this pass
+    result: Any = None
+    error: BaseException | None = None
+
+
+class Batcher:
+    """The rows, and the meeting point of their forwards. Drive it with `tick()` from one
+    thread; `add` rows between ticks."""
+
+    def __init__(self, target) -> None:
+        self.target = target
+        self._runnable: list[Any] = []  # greenlets to resume in this tick
+        self._pending: list[_Slot] = []
+        self._hub: Any = None  # the greenlet running tick(), where rows come back to
+        self.forwards = 0  # packed forwards run, the rows they carried, the most at once
+        self.rows = 0
+        self.max_rows = 0
+
+    def add(self, fn: Callable[[], None]) -> None:
+        """A new row running fn() (a whole generation; it must handle its own errors)."""
+        self._runnable.append(greenlet(fn))
+
+    @property
+    def active(self) -> int:
+        """Rows not finished."""
+        return len(self._runnable) + len(self._pending)
+
+    def tick(self) -> bool:
+        """Run every runnable row until it asks for a forward or ends, then run the pending
+        forwards as one. True while rows remain."""
+        self._hub = getcurrent()
+        runnable, self._runnable = self._runnable, []
+        for row in runnable:
+            row.parent = self._hub  # a row that ends comes back here
+            row.switch()
+        if self._pending:
+            batch, self._pending = self._pending, []
+            self._run(batch)
+            self._runnable = [slot.row for slot in batch]
+        return self.active > 0
+
+    def forward(self, p: Pass):
+        """Called inside a row: its pass joins the next packed forward; resumes with its
+        (logits, taps)."""
+        if self._hub is None or getcurrent() is self._hub:  # not inside a row: run it now
+            return self.target.forward(
+                p.tokens, p.cache, p.start, p.parents, p.logits, p.taps, p.rewindable
+            )
+        slot = _Slot(p, getcurrent())
+        self._pending.append(slot)
+        self._hub.switch()
+        if slot.error is not None:
+            raise slot.error
+        return slot.result
+
+    def _run(self, batch: list[_Slot]) -> None:
+        self.forwards += 1
+        self.rows += len(batch)
+        self.max_rows = max(self.max_rows, len(batch))
+        try:
+            if len(batch) == 1:  # alone: exactly the forward of an unbatched generation
+                p = batch[0].p
+                results = [
+                    self.target.forward(
+                        p.tokens, p.cache, p.start, p.parents, p.logits, p.taps, p.rewindable
+                    )
+                ]
+            else:
+                results = self.target.forward_rows([s.p for s in batch])
+            for slot, result in zip(batch, results, strict=True):
+                slot.result = result
+        except Exception as e:  # every row of the batch hears of it, in its own round
+            for slot in batch:
+                slot.error = e
+
+
+class BatchedTarget:
+    """A target whose forward joins the batch; everything else is the target's own."""
+
+    def __init__(self, target, batcher: Batcher) -> None:
+        self._target = target
+        self._batcher = batcher
+
+    def forward(
+        self, tokens, cache, start, parents=None, logits="all", taps=True, rewindable=True
+    ):
+        p = Pass(tokens, cache, start, parents, logits, taps, rewindable)
+        return self._batcher.forward(p)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target, name)
+
+
+def run_rows(target, rows: list[Callable[[Any], None]], join_at: list[int] | None = None):
+    """Run each row fn(batched_target) to its end, row i joining once `join_at[i]` packed
+    forwards have run; returns the Batcher (its counters). For tests and scripts; `serve`
+    drives a Batcher itself."""
+    batcher = Batcher(target)
+    shared = BatchedTarget(target, batcher)
+    waiting = list(enumerate(rows))
+
+    def row(fn: Callable[[Any], None]) -> Callable[[], None]:
+        return lambda: fn(shared)
+
+    while True:
+        due = [w for w in waiting if join_at is None or batcher.forwards >= join_at[w[0]]]
+        if not due and waiting and not batcher.active:  # nothing runs until the next joins
+            due = waiting[:1]
+        for w in due:
+            batcher.add(row(w[1]))
+            waiting.remove(w)
+        if not batcher.tick() and not waiting:
+            return batcher

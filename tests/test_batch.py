@@ -1,0 +1,170 @@
+"""Batched rounds (engine/batch.py): generations in their own threads share each target
+forward; each row's greedy output equals its output alone, token for token, in every mode and
+attention family, with rows of different lengths joining mid-way and leaving at different
+times; a seeded sampled row is reproducible; sampling stays in distribution per row."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from oracle import OracleDrafter, diversify
+from test_engine import mlx_lm_greedy, run
+from test_sampling import chi2_pvalue
+
+from mlx_dflash.engine import GenerationConfig, Session, generate_rounds
+from mlx_dflash.engine.batch import run_rows
+from mlx_dflash.engine.sampling import SamplingParams
+from mlx_dflash.models.target import Target, load_target
+from mlx_dflash.models.tiny import load_module, tiny_target_config, write_tiny_target
+
+PROMPTS = [list(range(3, 3 + n)) for n in (12, 30, 7, 19)]
+MAX_TOKENS = [40, 24, 33, 16]
+JOIN_AT = [0, 0, 3, 6]  # packed forwards run before the row starts
+
+
+def batched(target, rows, join_at=None):
+    """Each row (prompt, cfg, drafter or None) as one generation of a batch: their outputs,
+    and the batcher."""
+    outs: list = [None] * len(rows)
+
+    def row(i: int):
+        def generate(shared) -> None:
+            prompt, cfg, drafter = rows[i]
+            tokens = []
+            for r in generate_rounds(Session(shared, drafter), prompt, cfg):
+                tokens += r.tokens
+            outs[i] = tokens
+
+        return generate
+
+    batcher = run_rows(target, [row(i) for i in range(len(rows))], join_at)
+    return outs, batcher
+
+
+def _mla(path):
+    from test_mla import CONFIGS, build, save_folder
+
+    cfg = CONFIGS["deepseek_v3"]
+    return save_folder(path, build(cfg), cfg)
+
+
+def _family(name):
+    from families import write_family
+
+    return lambda path: write_family(path, name)
+
+
+TARGETS = {
+    "llama": lambda p: write_tiny_target(p, "llama"),
+    "qwen3_5": lambda p: write_tiny_target(p, "qwen3_5"),
+    "deepseek_v3": _mla,
+    "gpt-oss-20b": _family("gpt-oss-20b"),
+}
+
+
+@pytest.fixture(scope="module", params=list(TARGETS))
+def target(request, tmp_path_factory):
+    t = load_target(TARGETS[request.param](tmp_path_factory.mktemp(request.param)))
+    if request.param in ("llama", "qwen3_5"):
+        diversify(t.model)
+    t.set_taps([0, t.num_layers - 1])
+    return t
+
+
+@pytest.fixture(scope="module")
+def truths(target):
+    return [mlx_lm_greedy(target, p, n) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
+
+
+@pytest.mark.parametrize(
+    "mode, budget, lookup",
+    [("ar", 1, 0), ("dflash", 1, 0), ("ddtree", 4, 0), ("ddtree", 16, 4), ("lookup", 16, 4),
+     ("ddtree", "auto", 0)],
+)  # fmt: skip
+def test_each_row_is_its_own_output_alone(target, truths, mode, budget, lookup):
+    rows = []
+    for i, (prompt, n) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
+        oracle = None
+        if mode != "ar":
+            oracle = OracleDrafter(prompt + truths[i], target.vocab_size, 8, corrupt=0.3, seed=i)
+        cfg = GenerationConfig(max_tokens=n, mode=mode, budget=budget, lookup=lookup)
+        rows.append((prompt, cfg, oracle))
+    outs, batcher = batched(target, rows, JOIN_AT)
+    assert outs == truths
+    assert batcher.max_rows >= 3, "rows were not batched"
+    assert batcher.forwards < sum(MAX_TOKENS)
+
+
+def test_a_seeded_row_is_reproducible_batched(target, truths):
+    """The same seed gives the same sampled tokens alone and in a batch of four."""
+    sampling = SamplingParams(0.8, 0.95, 0)
+
+    def rows():
+        return [
+            (p, GenerationConfig(max_tokens=20, mode="ddtree", budget=6, sampling=sampling,
+                                 seed=11 + i),
+             OracleDrafter(p + truths[i], target.vocab_size, 8, corrupt=0.3, seed=i))
+            for i, p in enumerate(PROMPTS)
+        ]  # fmt: skip
+
+    together, _ = batched(target, rows())
+    for i, (prompt, _, drafter) in enumerate(rows()):
+        alone, _ = run(Session(target, drafter), prompt, max_tokens=20, mode="ddtree", budget=6,
+                       sampling=sampling, seed=11 + i)  # fmt: skip
+        assert together[i] == alone, i
+
+
+def test_sampling_is_lossless_per_row():
+    """Two rows sampled side by side: each row's first tokens after a DDTree round follow the
+    target's exact marginals (chi-square), the other row's presence notwithstanding."""
+    from test_families import marginals
+    from test_sampling import token_probs  # noqa: F401  (marginals needs its helpers)
+
+    V, depth = 24, 3
+    cfg = tiny_target_config("llama", vocab_size=V, num_hidden_layers=2)
+    mod = load_module("llama")
+    model = mod.Model(mod.ModelArgs.from_dict(cfg))
+    diversify(model, gain=1.0, seed=3)
+    target = Target(model, None, cfg)
+    target.set_taps([0, 1])
+    prompts = [[3, 9, 4, 17, 5], [8, 2, 21, 6, 14, 10, 1]]
+    sampling = SamplingParams(1.0)
+    truths = [p + mlx_lm_greedy(target, p, depth) for p in prompts]
+    samples: list[list] = [[], []]
+    for seed in range(600):
+        rows = [
+            (p, GenerationConfig(max_tokens=depth, sampling=sampling, seed=seed * 2 + i,
+                                 mode="ddtree", budget=4),
+             OracleDrafter(truths[i], V, block_size=4, corrupt=0.5, seed=seed, margin=1.0))
+            for i, p in enumerate(prompts)
+        ]  # fmt: skip
+        outs, _ = batched(target, rows)
+        for i in range(2):
+            samples[i].append(outs[i][:depth])
+    for i, prompt in enumerate(prompts):
+        got = np.array(samples[i])
+        for k, expected in enumerate(marginals(target, prompt, sampling, depth, V)):
+            assert chi2_pvalue(got[:, k], expected) > 1e-3, f"row {i}: token {k + 1} is biased"
+
+
+def test_an_error_in_a_batch_reaches_its_rows_and_the_others_go_on(target, truths):
+    """A pass that fails fails the rows of its forward with the reason; rows joining later run
+    exactly."""
+    errors, out = [], []
+
+    def broken(shared) -> None:
+        session = Session(shared, None)
+        session.cache = session.cache[:1]  # its forward fails on the missing layers
+        try:
+            for _ in generate_rounds(session, PROMPTS[0], GenerationConfig(mode="ar")):
+                pass
+        except Exception as e:
+            errors.append(e)
+
+    def good(shared) -> None:
+        cfg = GenerationConfig(max_tokens=MAX_TOKENS[0], mode="ar")
+        for r in generate_rounds(Session(shared, None), PROMPTS[0], cfg):
+            out.extend(r.tokens)
+
+    run_rows(target, [broken, good], join_at=[0, 1])
+    assert len(errors) == 1 and out == truths[0]
