@@ -47,6 +47,12 @@ def serve_command(
     cache_sessions: int = typer.Option(
         8, "--prefix-cache-sessions", min=1, help="Cached prompt prefixes kept at most."
     ),
+    max_batch: int = typer.Option(
+        4,
+        "--max-batch",
+        min=1,
+        help="Requests whose rounds share each target forward (1: one at a time).",
+    ),
     verbose: bool = typer.Option(False, "--verbose", help="Log every request."),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, messages)."""
@@ -68,6 +74,7 @@ def serve_command(
         thinking=thinking,
         cache_bytes=cache_mb * 2**20,
         cache_sessions=cache_sessions,
+        max_batch=max_batch,
     )
     app = App(target, runner if cfg.uses_drafter else None, cfg, config, world)
     if not world.is_main:

@@ -22,16 +22,30 @@ def on_metal() -> bool:
     return mx.metal.is_available()
 
 
+_wired_depth = 0  # nested `wired` blocks: only the outermost sets and restores the limit
+
+
 @contextlib.contextmanager
 def wired(model) -> Iterator[None]:
-    if not on_metal():
-        yield
+    """Re-entrant: batched rows (engine/batch.py) run their generations inside the server's
+    own block, and their enters and exits interleave, so only the outermost one acts."""
+    global _wired_depth
+    if not on_metal() or _wired_depth:
+        _wired_depth += 1
+        try:
+            yield
+        finally:
+            _wired_depth -= 1
         return
     from mlx_lm.generate import generation_stream, wired_limit
 
-    # mlx-lm passes its own generation stream the same way (its annotation says Stream).
-    with wired_limit(model, [generation_stream]):  # type: ignore[list-item]
-        yield
+    _wired_depth += 1
+    try:
+        # mlx-lm passes its own generation stream the same way (its annotation says Stream).
+        with wired_limit(model, [generation_stream]):  # type: ignore[list-item]
+            yield
+    finally:
+        _wired_depth -= 1
 
 
 def compute() -> contextlib.AbstractContextManager:

@@ -54,6 +54,8 @@ class ServerConfig:
     thinking: bool | None = None  # server-wide enable_thinking (None: the template's default)
     cache_bytes: int = 2 * 2**30
     cache_sessions: int = 8
+    # Generations whose rounds share each target forward (engine/batch.py); 1: one at a time.
+    max_batch: int = 1
     # A streamed answer sends an SSE comment after this many idle seconds (a long prefill):
     # clients with idle timeouts keep the stream.
     keepalive_s: float = 3.0
@@ -70,7 +72,7 @@ class App:
         self.mode = base.mode
         pool = SessionPool(target, runner, config.cache_bytes, config.cache_sessions)
         self.pool = pool
-        self.worker = Worker(target, runner, base.mode, pool, world)
+        self.worker = Worker(target, runner, base.mode, pool, world, config.max_batch)
         self.context = int(target.text_config.get("max_position_embeddings") or 0) or None
         self.templated = has_template(self.tokenizer)
         self.tags = thinking_tags(self.tokenizer) if self.templated else None
@@ -333,6 +335,8 @@ class Handler(BaseHTTPRequestHandler):
                     "model": app.config.model_name,
                     "mode": app.mode,
                     "busy": app.worker.busy,
+                    "running": app.worker.running,
+                    "max_batch": app.worker.max_batch,
                     "queued": app.worker.waiting,
                     "cached_prefixes": len(app.pool.idle),
                 },

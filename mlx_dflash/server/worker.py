@@ -1,9 +1,11 @@
-"""The model's one owner: a thread that runs generations one at a time, in arrival order.
+"""The model's one owner: a thread that runs generations in arrival order, one at a time or
+`max_batch` at once (batched rounds, engine/batch.py: each generation a greenlet on this
+thread, their target forwards packed into one).
 
 HTTP threads submit Jobs and read their events (text pieces, then one "done" or "error");
 a Job whose client went away is cancelled and its generation stops at the next round, which
-frees the worker for the next request. MLX models and Sessions are not shared across
-threads: only this one touches them.
+frees its place for the next request. MLX models and Sessions are not shared across threads:
+only this one touches them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from dataclasses import dataclass, field
 
 from ..distributed import LOCAL
 from ..engine import GenerationConfig, SamplingParams, Stats, stream_generate
+from ..engine.batch import BatchedTarget, Batcher
+from ..engine.device import wired
 from ..engine.session import uses_drafter
 from ..errors import DFlashError
 from .sessions import SessionPool
@@ -55,11 +59,19 @@ class Worker:
     """On a sharded target (`world`), rank 0's worker sends each job to the other ranks, whose
     `follow()` runs the same generations in the same order (their text goes nowhere)."""
 
-    def __init__(self, target, runner, mode: str, pool: SessionPool, world=LOCAL):
+    def __init__(
+        self, target, runner, mode: str, pool: SessionPool, world=LOCAL, max_batch: int = 1
+    ):
         self.target, self.runner, self.mode, self.pool = target, runner, mode, pool
         self.world = world
         self.jobs: queue.Queue[Job | None] = queue.Queue()
-        self.busy = False
+        # Batched rounds need every row on this process: a sharded target runs one at a time.
+        self.max_batch = 1 if world.sharded else max(1, max_batch)
+        self.batcher = None
+        if self.max_batch > 1:
+            self.batcher = Batcher(target)
+            pool.target = BatchedTarget(target, self.batcher)  # its Sessions' forwards meet
+        self.running = 0  # generations under way
         self.served = 0
         self.finishes: list[str] = []  # how each job ended, in order (health, tests)
         self.on_done = None  # called with each job's Done (the server's metrics)
@@ -118,38 +130,66 @@ class Worker:
     def waiting(self) -> int:
         return self.jobs.qsize()
 
+    @property
+    def busy(self) -> bool:
+        return self.running > 0
+
     def stop(self) -> None:
         if self.thread is not None:
             self.jobs.put(None)
             self.thread.join(timeout=10)
 
-    def _next(self) -> Job | None:
-        """The next job not cancelled while it waited (None: stop); sent to the follower ranks
-        of a sharded target."""
-        with self.world.idle():
-            job = self.jobs.get()
-        while job is not None and job.cancelled.is_set():
-            job = self.jobs.get()
+    def _next(self, block: bool = True) -> Job | None | bool:
+        """The next job not cancelled while it waited (None: stop; False: none waiting and
+        `block` off); sent to the follower ranks of a sharded target."""
+        while True:
+            try:
+                with self.world.idle():
+                    job = self.jobs.get(block=block)
+            except queue.Empty:
+                return False
+            if job is None or not job.cancelled.is_set():
+                break
         if self.world.sharded:  # the spec's JSON is for followers; one process has none
             self._send(job)
         return job
 
     def _loop(self) -> None:
+        if self.batcher is not None:
+            self._loop_batched(self.batcher)
+            return
         while True:
             job = self._next()
-            if job is None:
+            if not isinstance(job, Job):
                 return
-            self.busy = True
-            try:
-                self._run(job)
-            except DFlashError as e:
-                job.events.put(("error", str(e)))
-            except Exception as e:  # the server keeps serving; the client gets the reason
-                job.events.put(("error", f"{type(e).__name__}: {e}"))
-                self.finishes.append("error")
-            finally:
-                self.busy = False
-                self.served += 1
+            self._serve(job)
+
+    def _loop_batched(self, batcher: Batcher) -> None:
+        """Admit jobs up to max_batch between packed forwards; each runs as a row."""
+        with wired(self.target.model):  # once for all rows (theirs nest inside it)
+            while True:
+                while batcher.active < self.max_batch:
+                    job = self._next(block=batcher.active == 0)
+                    if job is None:
+                        return
+                    if job is False:
+                        break
+                    batcher.add(lambda job=job: self._serve(job))
+                batcher.tick()
+
+    def _serve(self, job: Job) -> None:
+        """One job to its end; its errors go to its client, never past it."""
+        self.running += 1
+        try:
+            self._run(job)
+        except DFlashError as e:
+            job.events.put(("error", str(e)))
+        except Exception as e:  # the server keeps serving; the client gets the reason
+            job.events.put(("error", f"{type(e).__name__}: {e}"))
+            self.finishes.append("error")
+        finally:
+            self.running -= 1
+            self.served += 1
 
     def _run(self, job: Job) -> None:
         session, _ = self.pool.take(job.prompt, uses_drafter(self.mode))
