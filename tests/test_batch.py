@@ -168,3 +168,29 @@ def test_an_error_in_a_batch_reaches_its_rows_and_the_others_go_on(target, truth
 
     run_rows(target, [broken, good], join_at=[0, 1])
     assert len(errors) == 1 and out == truths[0]
+
+
+def test_the_auto_budget_prices_a_tree_at_its_share_of_the_packed_forward():
+    """Batched, a row's tree costs what it adds to the other rows' tokens (less per token than
+    a forward of its own, whose fixed cost it does not pay), and sizes past the largest
+    measured extrapolate instead of costing nothing."""
+    from mlx_dflash.engine.budget import AutoBudget, MarginalProfile, VerifyProfile
+
+    profile = VerifyProfile([1, 2, 4, 8, 16, 32, 48, 65], [60, 62, 64, 70, 80, 100, 120, 140])
+    assert profile.cost(130) == pytest.approx(140 + 65 * 20 / 17)
+    shared = MarginalProfile(profile, others=12)
+    assert shared.cost(1) < profile.cost(1) and shared.cost(16) == pytest.approx(
+        profile.cost(28) - profile.cost(12)
+    )
+
+    class Busy:  # a Batcher whose forwards carry 40 other tokens
+        def others_tokens(self):
+            return 40.0
+
+    policy = AutoBudget(profile)
+    assert policy.costs() is profile
+    policy.batch = Busy()
+    assert isinstance(policy.costs(), MarginalProfile) and policy.costs().others == 40.0
+    policy.record_plain(5.0)  # a plain step's wall time in a batch is the whole batch's
+    share = float(profile.cost(41) - profile.cost(40))
+    assert policy.pacer.plain[1] == pytest.approx(0.5 * 60 + 0.5 * share)

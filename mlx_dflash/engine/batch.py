@@ -44,6 +44,8 @@ class Batcher:
         self.forwards = 0  # packed forwards run, the rows they carried, the most at once
         self.rows = 0
         self.max_rows = 0
+        self._tokens_ema = 0.0  # tokens and rows per packed forward, lately
+        self._rows_ema = 0.0
 
     def add(self, fn: Callable[[], None]) -> None:
         """A new row running fn() (a whole generation; it must handle its own errors)."""
@@ -82,10 +84,21 @@ class Batcher:
             raise slot.error
         return slot.result
 
+    def others_tokens(self) -> float:
+        """Tokens a row's pass has lately shared its packed forward with (the auto budget
+        prices a tree at what it adds to them: engine/budget.py MarginalProfile)."""
+        if self._rows_ema <= 1.0:
+            return 0.0
+        return self._tokens_ema * (1.0 - 1.0 / self._rows_ema)
+
     def _run(self, batch: list[_Slot]) -> None:
         self.forwards += 1
         self.rows += len(batch)
         self.max_rows = max(self.max_rows, len(batch))
+        tokens = sum(int(s.p.tokens.shape[0]) for s in batch)
+        a = 0.25 if self.forwards > 1 else 1.0
+        self._tokens_ema += a * (tokens - self._tokens_ema)
+        self._rows_ema += a * (len(batch) - self._rows_ema)
         try:
             if len(batch) == 1:  # alone: exactly the forward of an unbatched generation
                 p = batch[0].p
@@ -109,6 +122,15 @@ class BatchedTarget:
     def __init__(self, target, batcher: Batcher) -> None:
         self._target = target
         self._batcher = batcher
+
+    @property
+    def batcher(self) -> Batcher:
+        return self._batcher
+
+    @property
+    def unbatched(self):
+        """The target itself (forwards of its own: the auto budget's one-time profile)."""
+        return self._target
 
     def forward(
         self, tokens, cache, start, parents=None, logits="all", taps=True, rewindable=True

@@ -34,7 +34,12 @@ class VerifyProfile:
         self.seconds = np.asarray(seconds, dtype=np.float64)
 
     def cost(self, n_tokens) -> np.ndarray:
-        return np.interp(n_tokens, self.sizes, self.seconds)
+        """Seconds to verify n tokens: interpolated, and linear past the largest size measured
+        (a packed forward of batched rows carries more tokens than one tree)."""
+        n = np.asarray(n_tokens, dtype=np.float64)
+        slope = (self.seconds[-1] - self.seconds[-2]) / (self.sizes[-1] - self.sizes[-2])
+        past = self.seconds[-1] + max(slope, 0.0) * (n - self.sizes[-1])
+        return np.where(n > self.sizes[-1], past, np.interp(n, self.sizes, self.seconds))
 
     @classmethod
     def measure(cls, target, context: int = 256, repeats: int = 3) -> VerifyProfile:
@@ -88,6 +93,19 @@ class VerifyProfile:
         return None
 
 
+class MarginalProfile:
+    """Batched rounds (engine/batch.py): what n more tokens add to a packed forward that
+    already carries `others` tokens of other rows. That, not a forward of its own, is what a
+    row's tree costs there, and what its plain step saves."""
+
+    def __init__(self, profile: VerifyProfile, others: float):
+        self.profile, self.others = profile, float(others)
+
+    def cost(self, n_tokens) -> np.ndarray:
+        base = self.profile.cost(self.others)
+        return self.profile.cost(self.others + np.asarray(n_tokens, dtype=np.float64)) - base
+
+
 def profile_key(target) -> str:
     device = "gpu" if mx.metal.is_available() else "cpu"
     ident = json.dumps(target.config, sort_keys=True, default=str)
@@ -98,7 +116,7 @@ def profile_key(target) -> str:
 
 
 def choose_budget(
-    tree: Tree, profile: VerifyProfile, t_fixed: float, calibration: float = 1.0
+    tree: Tree, profile: VerifyProfile | MarginalProfile, t_fixed: float, calibration: float = 1.0
 ) -> int:
     """The budget that maximises expected tokens per second for this round.
 
@@ -203,6 +221,7 @@ class AutoBudget:
     """
 
     max_budget = AUTO_MAX_BUDGET
+    batch = None  # a batched target's Batcher: its rounds then pay marginal costs
 
     def __init__(self, profile: VerifyProfile):
         self.profile = profile
@@ -213,8 +232,19 @@ class AutoBudget:
 
     @classmethod
     def for_target(cls, target) -> AutoBudget:
-        """With the target's verify profile, measured once per model and machine and cached."""
-        return cls(VerifyProfile.load_or_measure(target, profile_key(target)))
+        """With the target's verify profile, measured once per model and machine and cached
+        (on the target itself when it is batched: alone, not inside someone's batch)."""
+        batch = getattr(target, "batcher", None)
+        target = getattr(target, "unbatched", target)
+        policy = cls(VerifyProfile.load_or_measure(target, profile_key(target)))
+        policy.batch = batch
+        return policy
+
+    def costs(self) -> VerifyProfile | MarginalProfile:
+        """Verify cost by size: a forward of its own, or a share of the next packed one."""
+        if self.batch is None or self.batch.others_tokens() <= 0:
+            return self.profile
+        return MarginalProfile(self.profile, self.batch.others_tokens())
 
     @property
     def calibration(self) -> float:
@@ -232,7 +262,7 @@ class AutoBudget:
 
     def cut(self, tree: Tree) -> Tree:
         """The tree's first b+1 nodes, b the budget that maximises expected tokens per second."""
-        return tree.prefix(choose_budget(tree, self.profile, self.t_fixed, self.calibration) + 1)
+        return tree.prefix(choose_budget(tree, self.costs(), self.t_fixed, self.calibration) + 1)
 
     def cut_lookup(self, tree: Tree, chains: list[list[int]], lookup_stats, drafted: bool):
         """Lookup branches cut to the length that maximises expected tokens per second at the
@@ -241,15 +271,18 @@ class AutoBudget:
             return chains
         # The drafter's nodes at its calibrated confidence, grammar drafts as certain.
         base = expected_tokens(tree, self.calibration if drafted else 1.0)[-1]
-        best, best_rate = 0, base / (self.t_fixed + self.profile.cost(len(tree.tokens)))
+        costs = self.costs()
+        best, best_rate = 0, base / (self.t_fixed + costs.cost(len(tree.tokens)))
         for length in range(1, max(len(c) for c in chains) + 1):
             size = len(graft(tree, [c[:length] for c in chains]).tokens)
-            rate = (base + lookup_stats.expected(length)) / (self.t_fixed + self.profile.cost(size))
+            rate = (base + lookup_stats.expected(length)) / (self.t_fixed + costs.cost(size))
             if rate > best_rate:
                 best, best_rate = length, rate
         return [c[:best] for c in chains] if best else []
 
     def record_plain(self, seconds: float) -> None:
+        if self.batch is not None:  # its wall time is the whole batch's: count its share
+            seconds = float(self.costs().cost(1))
         self.pacer.record_plain(seconds)
 
     def record_tree(
@@ -268,6 +301,8 @@ class AutoBudget:
             realised = sum(i < n_drafted and not certain[i] for i in path[1:])
             self.realised = 0.9 * self.realised + 0.1 * realised
         self.tree_rounds += 1
+        if self.batch is not None:  # the verify's share of the packed forward, not its wall
+            t = t_fixed + float(self.costs().cost(len(tree.tokens)))
         self.pacer.record_tree(emitted, t)
 
 
