@@ -61,7 +61,14 @@ class DDTree:
         t0 = time.perf_counter()
         tree, n_drafted, chains, t_build, pruned = self._draft(last, start, n, room, drafting)
         if len(tree.tokens) == 1:  # nothing to verify: a plain step
-            return self._plain(last, rng)
+            t_draft = time.perf_counter() - t0
+            rnd = self._plain(last, rng)
+            if drafting and self.drafter is not None:
+                # A draft the budget cut to nothing cost its drafting and earned no token more
+                # than the plain step: the pacer hears it as a lost round, so it pauses.
+                t = t_draft + rnd.t_verify + rnd.t_other
+                policy.record_tree(tree, 0, [0], 1, t_draft, t)
+            return rnd
         self.budgets.append(len(tree.tokens) - 1)
         t1 = time.perf_counter()
         logits, taps = self._verify(tree, start)

@@ -217,7 +217,11 @@ class DrafterRunner:
         if self.cfg.kind == "dflash2":
             self.linear_block = min(self.block_size, DFLASH2_LINEAR_BLOCK)
         self.kind = self.cfg.kind
-        self.cache = drafter.make_cache()
+        self._cache = drafter.make_cache()
+        # Taps waiting to be projected: while plain steps run (auto's pauses, batched rows),
+        # they pile up and are projected in one matmul when a draft next needs them.
+        self._pending: list[mx.array] = []
+        self._pending_rows = 0
         self.vocab = self.rows = self.outside = None
         if drafter.draft_vocab is not None:
             self.vocab = mx.array(drafter.draft_vocab.astype(np.int32))
@@ -229,15 +233,29 @@ class DrafterRunner:
                 self.outside = mx.array(outside)
 
     @property
+    def cache(self) -> list:
+        """Every layer's context cache, the pending taps projected into it."""
+        self._flush()
+        return self._cache
+
+    @property
     def context_len(self) -> int:
-        return self.cache[0].end
+        return self._cache[0].end + self._pending_rows
 
     def reset(self, length: int = 0) -> None:
         for c in self.cache:
             c.trim(length)
 
     def add_context(self, taps: mx.array) -> None:
-        self.drafter.add_context(taps, self.cache)
+        self._pending.append(taps)
+        self._pending_rows += int(taps.shape[0])
+
+    def _flush(self) -> None:
+        """Project the pending taps into every layer's context, all at once."""
+        if self._pending:
+            taps = self._pending[0] if len(self._pending) == 1 else mx.concatenate(self._pending)
+            self._pending, self._pending_rows = [], 0
+            self.drafter.add_context(taps, self._cache)
 
     def propose(self, last_token: int, start: int, n: int) -> Proposal:
         """The n positions start+1..start+n, from one drafter pass: logits, and a DFlash 2
