@@ -30,6 +30,7 @@ from mlx_dflash.models.tiny import write_tiny_tokenizer
 
 WINDOW = 8  # every shrunk sliding window: the tests decode far past it
 MXFP4 = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+NVFP4 = {"group_size": 16, "bits": 4, "mode": "nvfp4"}
 
 
 def _is_expert(path: str, module) -> bool:
@@ -459,7 +460,7 @@ def _hf_minimax_fp8(weights: dict[str, mx.array]) -> dict[str, mx.array]:
 def write_family(path: str | Path, name: str, seed: int = 0, layout: str = "") -> Path:
     """A target folder of family `name`, shrunk, in the layout its users download;
     layout="hf": OpenAI's own gpt-oss release (MXFP4 `_blocks` / `_scales` tensors), MiniMax's
-    own FP8 release."""
+    own FP8 release; layout="nvfp4": an MLX conversion in NVFP4 (not for Gemma 4's layout)."""
     from mlx_lm.utils import save_config, save_model
 
     path = Path(path)
@@ -492,7 +493,10 @@ def write_family(path: str | Path, name: str, seed: int = 0, layout: str = "") -
         mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
         (path / "config.json").write_text(json.dumps(cfg, indent=2))
     else:
-        if name == "gpt-oss-20b":  # mlx-community's MXFP4 copies: the experts quantized
+        if layout == "nvfp4":  # `mlx_lm.convert --q-mode nvfp4`: every linear layer in NVFP4
+            nn.quantize(model, **NVFP4)
+            cfg["quantization"] = cfg["quantization_config"] = dict(NVFP4)
+        elif name == "gpt-oss-20b":  # mlx-community's MXFP4 copies: the experts quantized
             nn.quantize(model, **MXFP4, class_predicate=_is_expert)
             cfg["quantization"] = cfg["quantization_config"] = dict(MXFP4)
         save_model(path, model)

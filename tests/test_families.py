@@ -198,3 +198,16 @@ def test_minimaxs_fp8_release_converts_and_runs_exactly(tmp_path, run_cli):
     oracle = OracleDrafter(PROMPT + ref, target.vocab_size, block_size=8, corrupt=0.3)
     out, _ = run(Session(target, oracle), PROMPT, max_tokens=N, mode="ddtree", budget=16)
     assert out == ref and len(set(ref)) > 8
+
+
+@pytest.mark.parametrize("name", ["minimax-m2", "mimo-v2-flash"])
+def test_nvfp4_conversions_run_exactly(name, tmp_path):
+    """MLX conversions in NVFP4 (`mlx_lm.convert --q-mode nvfp4`, every linear layer and the
+    experts), a MoE family with and one without sliding windows: exact in DDTree with lookup."""
+    target = load_target(write_family(tmp_path / name, name, layout="nvfp4"))
+    assert target.layers[1].self_attn.q_proj.mode == "nvfp4"
+    ref = mlx_lm_greedy(target, PROMPT, N)
+    target.set_taps([1, 5])
+    oracle = OracleDrafter(PROMPT + ref, target.vocab_size, block_size=8, corrupt=0.3)
+    out, _ = run(Session(target, oracle), PROMPT, max_tokens=N, mode="ddtree", budget=16, lookup=4)
+    assert out == ref and len(set(ref)) > 8
