@@ -11,6 +11,14 @@ from ..errors import DFlashError
 from ..models.pair import load_pair
 from . import options as opts
 
+MAX_BATCH = typer.Option(
+    8,
+    "--max-batch",
+    min=1,
+    help="Requests whose rounds share each target forward (1: one at a time). 8: on a "
+    "2-core CPU, throughput still grew from 4 to 8 (docs/batching.md).",
+)
+
 
 def serve_command(
     model: str = opts.MODEL,
@@ -47,13 +55,7 @@ def serve_command(
     cache_sessions: int = typer.Option(
         8, "--prefix-cache-sessions", min=1, help="Cached prompt prefixes kept at most."
     ),
-    max_batch: int = typer.Option(
-        8,
-        "--max-batch",
-        min=1,
-        help="Requests whose rounds share each target forward (1: one at a time). 8: on a "
-        "2-core CPU, throughput still grew from 4 to 8 (docs/batching.md).",
-    ),
+    max_batch: int = MAX_BATCH,
     verbose: bool = typer.Option(False, "--verbose", help="Log every request."),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, messages)."""
@@ -86,12 +88,9 @@ def serve_command(
     except OSError as e:
         raise DFlashError(f"Cannot listen on {host}:{port}: {e.strerror or e}.") from None
     bound = server.server_address[1]
-    print(
-        f"Serving '{served}' ({mode}) on http://{host}:{bound}/v1 "
-        f"- OpenAI base_url http://{host}:{bound}/v1; Ctrl-C stops.",
-        file=sys.stderr,
-        flush=True,
-    )
+    base_url = f"http://{host}:{bound}/v1"
+    print(f"Serving '{served}' ({mode}) on {base_url} - OpenAI base_url {base_url}; Ctrl-C stops.",
+          file=sys.stderr, flush=True)  # fmt: skip
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -132,9 +132,7 @@ class BatchedTarget:
         """The target itself (forwards of its own: the auto budget's one-time profile)."""
         return self._target
 
-    def forward(
-        self, tokens, cache, start, parents=None, logits="all", taps=True, rewindable=True
-    ):
+    def forward(self, tokens, cache, start, parents=None, logits="all", taps=True, rewindable=True):
         p = Pass(tokens, cache, start, parents, logits, taps, rewindable)
         return self._batcher.forward(p)
 
