@@ -194,3 +194,34 @@ def test_the_auto_budget_prices_a_tree_at_its_share_of_the_packed_forward():
     policy.record_plain(5.0)  # a plain step's wall time in a batch is the whole batch's
     share = float(profile.cost(41) - profile.cost(40))
     assert policy.pacer.plain[1] == pytest.approx(0.5 * 60 + 0.5 * share)
+
+
+def test_a_long_prompt_is_read_in_chunks_between_the_other_rows_rounds(target, truths):
+    """A 300-token prompt joining mid-way is prefilled in chunks that ride with the decoding
+    row's rounds: that row keeps emitting while the prompt is read, and both stay exact."""
+    long_prompt = [3 + (i * 7) % 200 for i in range(300)]
+    long_truth = mlx_lm_greedy(target, long_prompt, 8)
+    seen: dict = {"short": [], "long_prefilled": None}
+    outs: dict = {}
+
+    def short(shared) -> None:
+        cfg = GenerationConfig(max_tokens=MAX_TOKENS[0], mode="ar")
+        tokens = []
+        for r in generate_rounds(Session(shared, None), PROMPTS[0], cfg):
+            tokens += r.tokens
+            seen["short"].append(shared.batcher.forwards)
+        outs["short"] = tokens
+
+    def long(shared) -> None:
+        cfg = GenerationConfig(max_tokens=8, mode="ar", prefill_chunk=32)
+        tokens = []
+        for r in generate_rounds(Session(shared, None), long_prompt, cfg):
+            if r.prefill:
+                seen["long_prefilled"] = shared.batcher.forwards
+            tokens += r.tokens
+        outs["long"] = tokens
+
+    run_rows(target, [short, long], join_at=[0, 3])
+    assert outs == {"short": truths[0], "long": long_truth}
+    during = [f for f in seen["short"] if 3 < f < seen["long_prefilled"]]
+    assert len(during) >= 5, (seen, "the short row stalled while the long prompt was read")

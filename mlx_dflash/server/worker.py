@@ -28,6 +28,11 @@ from .text import StopStrings, ThinkingSplitter, ToolCallSplitter
 from .tools import Tools, parse_call
 
 
+# Prefill chunk of a batched row: each chunk rides in a packed forward with the other rows'
+# rounds, so a shorter one keeps their tokens coming while a long prompt is read.
+BATCH_CHUNK = 128
+
+
 @dataclass
 class Job:
     prompt: list[int]
@@ -198,7 +203,10 @@ class Worker:
         out = Output(job, self.target.tokenizer)
         finish, hit = None, None
         stop_ids = job.cfg.stop_ids
-        gen = stream_generate(session, job.prompt, job.cfg)
+        cfg = job.cfg
+        if self.batcher is not None:  # a long prompt's chunks delay every row's next token
+            cfg = dataclasses.replace(cfg, prefill_chunk=min(cfg.prefill_chunk, BATCH_CHUNK))
+        gen = stream_generate(session, job.prompt, cfg)
         try:
             for chunk in gen:
                 stats = chunk.stats
