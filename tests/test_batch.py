@@ -5,6 +5,7 @@ times; a seeded sampled row is reproducible; sampling stays in distribution per 
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from oracle import OracleDrafter, diversify
@@ -225,3 +226,73 @@ def test_a_long_prompt_is_read_in_chunks_between_the_other_rows_rounds(target, t
     assert outs == {"short": truths[0], "long": long_truth}
     during = [f for f in seen["short"] if 3 < f < seen["long_prefilled"]]
     assert len(during) >= 5, (seen, "the short row stalled while the long prompt was read")
+
+
+DRAFTER_SHAPES = {
+    "full": {},
+    "sliding-causal": {"layer_types": ["sliding_attention", "full_attention"],
+                       "sliding_window": 6},
+    "mimo-like": {"attention_sink_bias": True, "attention_value_scale": 0.7, "v_head_dim": 8,
+                  "partial_rotary_factor": 0.5, "attention_bias": True,
+                  "layer_types": ["sliding_attention"] * 2, "sliding_window": 6,
+                  "is_causal": False},
+}  # fmt: skip
+
+
+def _drafter(target, **shape):
+    from mlx_dflash.models.drafter import init_drafter
+    from mlx_dflash.models.drafter_config import DrafterConfig
+
+    cfg = DrafterConfig(
+        hidden_size=target.hidden_size, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=64,
+        vocab_size=target.vocab_size, block_size=8, mask_token_id=target.vocab_size - 1,
+        target_layer_ids=[0, target.num_layers - 1],
+        layer_types=shape.pop("layer_types", ["full_attention"] * 2), **shape,
+    )  # fmt: skip
+    drafter = init_drafter(cfg, seed=4)
+    mx.eval(drafter.parameters())
+    return drafter
+
+
+@pytest.mark.parametrize("shape", list(DRAFTER_SHAPES))
+def test_packed_drafter_passes_are_each_rows_own(target, shape):
+    """Several rows' drafter passes as one: each row's logits are its own pass's."""
+    from mlx_dflash.models.drafter import DrafterRunner, propose_packed
+
+    drafter = _drafter(target, **dict(DRAFTER_SHAPES[shape]))
+    runners, requests = [], []
+    for k, prompt in enumerate(PROMPTS[:3]):
+        runner = DrafterRunner(drafter, target)
+        _, taps = target.forward(mx.array(prompt), target.make_cache(), 0)
+        runner.add_context(taps)
+        runners.append(runner)
+        requests.append((prompt[-1], len(prompt), 7 - k))
+    packed = propose_packed(runners, requests)
+    for runner, req, got in zip(runners, requests, packed, strict=True):
+        want = runner.propose_alone(*req)
+        assert got.logits.shape == want.logits.shape
+        assert np.allclose(np.array(got.logits), np.array(want.logits), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["dflash", "ddtree"])
+def test_real_drafters_draft_in_packed_passes_and_stay_exact(target, truths, mode):
+    """Rows with real (random) drafters: their drafter passes are packed too, and every row's
+    output is still its output alone."""
+    from mlx_dflash.models.drafter import DrafterRunner
+
+    drafter = _drafter(target)
+    target.set_taps([0, target.num_layers - 1])
+    outs: list = [None] * len(PROMPTS)
+
+    def row(i: int):
+        def generate(shared) -> None:
+            cfg = GenerationConfig(max_tokens=MAX_TOKENS[i], mode=mode, budget=6)
+            session = Session(shared, DrafterRunner(drafter, shared))
+            outs[i] = [t for r in generate_rounds(session, PROMPTS[i], cfg) for t in r.tokens]
+
+        return generate
+
+    batcher = run_rows(target, [row(i) for i in range(len(PROMPTS))])
+    assert outs == truths
+    assert batcher.drafts > 0 and batcher.draft_rows > batcher.drafts  # several rows a pass

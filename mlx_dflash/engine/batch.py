@@ -26,7 +26,7 @@ from ..models.packed import Pass
 
 @dataclass
 class _Slot:
-    p: Pass
+    p: Any  # a target Pass, or a drafter's (runner, (last, start, n))
     row: Any  # the greenlet waiting for this pass
     result: Any = None
     error: BaseException | None = None
@@ -39,11 +39,14 @@ class Batcher:
     def __init__(self, target) -> None:
         self.target = target
         self._runnable: list[Any] = []  # greenlets to resume in this tick
-        self._pending: list[_Slot] = []
+        self._pending: list[_Slot] = []  # target passes
+        self._drafts: list[_Slot] = []  # drafter passes
         self._hub: Any = None  # the greenlet running tick(), where rows come back to
         self.forwards = 0  # packed forwards run, the rows they carried, the most at once
         self.rows = 0
         self.max_rows = 0
+        self.drafts = 0  # packed drafter passes, and the rows they carried
+        self.draft_rows = 0
         self._tokens_ema = 0.0  # tokens and rows per packed forward, lately
         self._rows_ema = 0.0
 
@@ -54,16 +57,27 @@ class Batcher:
     @property
     def active(self) -> int:
         """Rows not finished."""
-        return len(self._runnable) + len(self._pending)
+        return len(self._runnable) + len(self._pending) + len(self._drafts)
+
+    def in_row(self) -> bool:
+        """Whether the caller is a row of a tick under way (else it runs alone)."""
+        return self._hub is not None and getcurrent() is not self._hub
 
     def tick(self) -> bool:
         """Run every runnable row until it asks for a forward or ends, then run the pending
         forwards as one. True while rows remain."""
         self._hub = getcurrent()
-        runnable, self._runnable = self._runnable, []
-        for row in runnable:
-            row.parent = self._hub  # a row that ends comes back here
-            row.switch()
+        while True:
+            runnable, self._runnable = self._runnable, []
+            for row in runnable:
+                row.parent = self._hub  # a row that ends comes back here
+                row.switch()
+            if not self._drafts:
+                break
+            # The drafts first: their rows then build their trees and join the verify.
+            drafts, self._drafts = self._drafts, []
+            self._run_drafts(drafts)
+            self._runnable = [slot.row for slot in drafts]
         if self._pending:
             batch, self._pending = self._pending, []
             self._run(batch)
@@ -83,6 +97,29 @@ class Batcher:
         if slot.error is not None:
             raise slot.error
         return slot.result
+
+    def propose(self, runner, last: int, start: int, n: int):
+        """Called inside a row by its DrafterRunner: the pass joins the next packed drafter
+        pass (models/drafter.py propose_packed); resumes with its Proposal."""
+        slot = _Slot((runner, (last, start, n)), getcurrent())
+        self._drafts.append(slot)
+        self._hub.switch()
+        if slot.error is not None:
+            raise slot.error
+        return slot.result
+
+    def _run_drafts(self, batch: list[_Slot]) -> None:
+        from ..models.drafter import propose_packed
+
+        self.drafts += 1
+        self.draft_rows += len(batch)
+        try:
+            results = propose_packed([s.p[0] for s in batch], [s.p[1] for s in batch])
+            for slot, result in zip(batch, results, strict=True):
+                slot.result = result
+        except Exception as e:  # every row of the pass hears of it, in its own round
+            for slot in batch:
+                slot.error = e
 
     def others_tokens(self) -> float:
         """Tokens a row's pass has lately shared its packed forward with (the auto budget

@@ -259,7 +259,15 @@ class DrafterRunner:
 
     def propose(self, last_token: int, start: int, n: int) -> Proposal:
         """The n positions start+1..start+n, from one drafter pass: logits, and a DFlash 2
-        drafter's lattice."""
+        drafter's lattice. In a batched row (engine/batch.py) the pass joins the other rows'
+        (propose_packed)."""
+        batcher = getattr(self.target, "batcher", None)
+        if batcher is not None and batcher.in_row():
+            return batcher.propose(self, last_token, start, n)
+        return self.propose_alone(last_token, start, n)
+
+    def propose_alone(self, last_token: int, start: int, n: int) -> Proposal:
+        """One drafter pass of its own."""
         h = self.hidden(last_token, start, n)
         logits = self.logits(h)
         if self.cfg.kind == "dflash2":
@@ -288,6 +296,68 @@ class DrafterRunner:
         full = mx.full((n, self.target.vocab_size), -mx.inf, dtype=sub.dtype)
         full[:, self.vocab] = sub  # tokens outside the draft vocabulary are never proposed
         return full
+
+
+def propose_packed(runners: list, requests: list[tuple[int, int, int]]) -> list[Proposal]:
+    """Several rows' drafter passes as one (batched rounds, engine/batch.py): each row's block
+    over its own context, the projections, MLPs and the LM head shared. DFlash 2 drafters (whose
+    convolutions run along each row's block) and rows of different drafters or vocabularies go
+    one by one."""
+    first = runners[0]
+    drafter, cfg = first.drafter, first.cfg
+    same = all(
+        r.drafter is drafter and r.vocab is None and r.target is first.target for r in runners
+    )
+    if cfg.kind == "dflash2" or not same or len(runners) == 1:
+        return [r.propose_alone(*q) for r, q in zip(runners, requests, strict=True)]
+    bs = cfg.block_size
+    embeds, starts = [], []
+    for r, (last, start, _) in zip(runners, requests, strict=True):
+        assert start == r.context_len, "drafter context out of sync with the target"
+        block = mx.array([last] + [cfg.mask_token_id] * (bs - 1))
+        e = r.target.token_embeddings(block)
+        embeds.append(e if cfg.input_embedding_scale is None else e * cfg.input_embedding_scale)
+        starts.append(start)
+    caches = [r.cache for r in runners]  # (pending taps projected first)
+    positions = mx.array(np.concatenate([s + np.arange(bs) for s in starts]), dtype=mx.int32)
+    h = mx.concatenate(embeds)[None]
+    for i, layer in enumerate(drafter.layers):
+        h = h + _packed_attention(drafter, i, layer.self_attn, layer.input_layernorm(h),
+                                  [c[i] for c in caches], starts, positions)  # fmt: skip
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    h = drafter.norm(h)[0]
+    picks = [h[k * bs + 1 : k * bs + 1 + n] for k, (_, _, n) in enumerate(requests)]
+    logits = drafter_logits(cfg, first.target, mx.concatenate(picks))
+    out, at = [], 0
+    for _, _, n in requests:
+        out.append(Proposal(logits[at : at + n]))
+        at += n
+    return out
+
+
+def _packed_attention(drafter, i: int, attn, x, caches, starts, positions) -> mx.array:
+    """Layer i's attention over the packed blocks x (1, R * bs, H): q/k/v projected once, then
+    each row's block over its own context, with its own mask."""
+    L, bs = x.shape[1], drafter.cfg.block_size
+
+    def rope(t):  # (1, L, heads, d) -> (1, heads, L, d), each token at its own position
+        return attn.rope(t.transpose(1, 2, 0, 3), offset=positions).transpose(2, 1, 0, 3)
+
+    q = rope(attn.q_norm(attn.q_proj(x).reshape(1, L, attn.n_heads, -1)))
+    k = rope(attn.k_norm(attn.k_proj(x).reshape(1, L, attn.n_kv_heads, -1)))
+    v = attn.v_proj(x).reshape(1, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    if attn.value_scale is not None:
+        v = v * attn.value_scale
+    sinks = getattr(attn, "attention_sink_bias", None)
+    outs = []
+    for r, (cache, start) in enumerate(zip(caches, starts, strict=True)):
+        a, b = r * bs, (r + 1) * bs
+        mask = drafter.block_mask(i, start, cache.visible, bs)
+        keys, values = cache.extend(k[:, :, a:b], v[:, :, a:b])
+        outs.append(mx.fast.scaled_dot_product_attention(
+            q[:, :, a:b], keys, values, scale=attn.scale, mask=mask, sinks=sinks))  # fmt: skip
+    out = mx.concatenate(outs, axis=2).transpose(0, 2, 1, 3).reshape(1, L, -1)
+    return attn.o_proj(out)
 
 
 def drafter_logits(

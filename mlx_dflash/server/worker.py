@@ -27,7 +27,6 @@ from .sessions import SessionPool
 from .text import StopStrings, ThinkingSplitter, ToolCallSplitter
 from .tools import Tools, parse_call
 
-
 # Prefill chunk of a batched row: each chunk rides in a packed forward with the other rows'
 # rounds, so a shorter one keeps their tokens coming while a long prompt is read.
 BATCH_CHUNK = 128
