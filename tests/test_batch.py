@@ -275,13 +275,17 @@ def test_packed_drafter_passes_are_each_rows_own(target, shape):
         assert np.allclose(np.array(got.logits), np.array(want.logits), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("mode", ["dflash", "ddtree"])
-def test_real_drafters_draft_in_packed_passes_and_stay_exact(target, truths, mode):
-    """Rows with real (random) drafters: their drafter passes are packed too, and every row's
-    output is still its output alone."""
+DFLASH2 = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 6}
+
+
+@pytest.mark.parametrize("mode, kind", [("dflash", "dflash"), ("ddtree", "dflash"),
+                                        ("ddtree", "dflash2")])  # fmt: skip
+def test_real_drafters_draft_in_packed_passes_and_stay_exact(target, truths, mode, kind):
+    """Rows with real (random) drafters: their drafter passes are packed too (a DFlash 2
+    drafter's go row by row), and every row's output is still its output alone."""
     from mlx_dflash.models.drafter import DrafterRunner
 
-    drafter = _drafter(target)
+    drafter = _drafter(target, **(DFLASH2 if kind == "dflash2" else {}))
     target.set_taps([0, target.num_layers - 1])
     outs: list = [None] * len(PROMPTS)
 
