@@ -87,10 +87,8 @@ class Batcher:
     def forward(self, p: Pass):
         """Called inside a row: its pass joins the next packed forward; resumes with its
         (logits, taps)."""
-        if self._hub is None or getcurrent() is self._hub:  # not inside a row: run it now
-            return self.target.forward(
-                p.tokens, p.cache, p.start, p.parents, p.logits, p.taps, p.rewindable
-            )
+        if not self.in_row():  # not inside a row: run it now
+            return self._alone(p)
         slot = _Slot(p, getcurrent())
         self._pending.append(slot)
         self._hub.switch()
@@ -128,6 +126,11 @@ class Batcher:
             return 0.0
         return self._tokens_ema * (1.0 - 1.0 / self._rows_ema)
 
+    def _alone(self, p: Pass):
+        return self.target.forward(
+            p.tokens, p.cache, p.start, p.parents, p.logits, p.taps, p.rewindable
+        )
+
     def _run(self, batch: list[_Slot]) -> None:
         self.forwards += 1
         self.rows += len(batch)
@@ -138,12 +141,7 @@ class Batcher:
         self._rows_ema += a * (len(batch) - self._rows_ema)
         try:
             if len(batch) == 1:  # alone: exactly the forward of an unbatched generation
-                p = batch[0].p
-                results = [
-                    self.target.forward(
-                        p.tokens, p.cache, p.start, p.parents, p.logits, p.taps, p.rewindable
-                    )
-                ]
+                results = [self._alone(batch[0].p)]
             else:
                 results = self.target.forward_rows([s.p for s in batch])
             for slot, result in zip(batch, results, strict=True):

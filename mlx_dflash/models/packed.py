@@ -61,15 +61,16 @@ def forward_packed(target, passes: list[Pass]) -> list[tuple[mx.array | None, mx
     if target.stage is not None:
         raise DFlashError("Batched rounds do not run on a target sharded over several machines.")
     rows, a = [], 0
-    for p in passes:
+    every = [p.positions() for p in passes]
+    for p, p_pos in zip(passes, every, strict=True):
         b = a + int(p.tokens.shape[0])
         pos = par = None
         if p.parents is not None:  # a tree: per-token positions and the parents
-            pos = mx.array(p.positions(), dtype=mx.int32)
+            pos = mx.array(p_pos, dtype=mx.int32)
             par = mx.array(p.parents, dtype=mx.int32)
         rows.append(_Row(a, b, p, pos, par, {}))
         a = b
-    positions = mx.array(np.concatenate([p.positions() for p in passes]), dtype=mx.int32)
+    positions = mx.array(np.concatenate(every), dtype=mx.int32)
     h = target.embed(mx.concatenate([p.tokens for p in passes])[None])
     tapped: dict[int, mx.array] = {}
     tap_set = set(target.tap_ids) if any(p.taps for p in passes) else set()
