@@ -503,3 +503,26 @@ def write_family(path: str | Path, name: str, seed: int = 0, layout: str = "") -
         save_config(cfg, path / "config.json")
     write_tiny_tokenizer(path, 256)
     return path
+
+
+def attention_target(kind: str, path: Path):
+    """A loaded target of one attention family, taps on its first and last layers: "llama",
+    "qwen3_5" (Gated DeltaNet), "deepseek_v3" (MLA), or a FAMILIES name (sliding windows,
+    sinks). For the tests that run every family's attention (packed forwards, batched rows)."""
+    from mlx_dflash.models.target import load_target
+    from mlx_dflash.models.tiny import write_tiny_target
+
+    if kind == "deepseek_v3":
+        from test_mla import CONFIGS, build, save_folder
+
+        cfg = CONFIGS[kind]
+        folder = save_folder(path, build(cfg), cfg)
+    elif kind in FAMILIES:
+        folder = write_family(path, kind)
+    else:
+        folder = write_tiny_target(path, kind)
+    target = load_target(folder)
+    if kind in ("llama", "qwen3_5"):
+        diversify(target.model)
+    target.set_taps([0, target.num_layers - 1])
+    return target

@@ -8,6 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from families import attention_target
 from oracle import OracleDrafter, diversify
 from test_engine import mlx_lm_greedy, run
 from test_sampling import chi2_pvalue
@@ -15,8 +16,8 @@ from test_sampling import chi2_pvalue
 from mlx_dflash.engine import GenerationConfig, Session, generate_rounds
 from mlx_dflash.engine.batch import run_rows
 from mlx_dflash.engine.sampling import SamplingParams
-from mlx_dflash.models.target import Target, load_target
-from mlx_dflash.models.tiny import load_module, tiny_target_config, write_tiny_target
+from mlx_dflash.models.target import Target
+from mlx_dflash.models.tiny import load_module, tiny_target_config
 
 PROMPTS = [list(range(3, 3 + n)) for n in (12, 30, 7, 19)]
 MAX_TOKENS = [40, 24, 33, 16]
@@ -42,34 +43,12 @@ def batched(target, rows, join_at=None):
     return outs, batcher
 
 
-def _mla(path):
-    from test_mla import CONFIGS, build, save_folder
-
-    cfg = CONFIGS["deepseek_v3"]
-    return save_folder(path, build(cfg), cfg)
+KINDS = ["llama", "qwen3_5", "deepseek_v3", "gpt-oss-20b"]
 
 
-def _family(name):
-    from families import write_family
-
-    return lambda path: write_family(path, name)
-
-
-TARGETS = {
-    "llama": lambda p: write_tiny_target(p, "llama"),
-    "qwen3_5": lambda p: write_tiny_target(p, "qwen3_5"),
-    "deepseek_v3": _mla,
-    "gpt-oss-20b": _family("gpt-oss-20b"),
-}
-
-
-@pytest.fixture(scope="module", params=list(TARGETS))
+@pytest.fixture(scope="module", params=KINDS)
 def target(request, tmp_path_factory):
-    t = load_target(TARGETS[request.param](tmp_path_factory.mktemp(request.param)))
-    if request.param in ("llama", "qwen3_5"):
-        diversify(t.model)
-    t.set_taps([0, t.num_layers - 1])
-    return t
+    return attention_target(request.param, tmp_path_factory.mktemp(request.param))
 
 
 @pytest.fixture(scope="module")

@@ -7,47 +7,21 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from families import write_family
-from oracle import diversify
+from families import attention_target
 
 from mlx_dflash.models.packed import Pass
-from mlx_dflash.models.target import load_target
-from mlx_dflash.models.tiny import write_tiny_target
 
 PROMPTS = [list(range(3, 3 + n)) for n in (14, 23, 9)]
 TREE = np.array([-1, 0, 0, 1, 1, 2, 3], dtype=np.int32)
 
 
-def _tiny(kind):
-    def write(path):
-        return write_tiny_target(path, kind)
-
-    return write
+# Causal attention, Gated DeltaNet rows, MLA, windows past their width, sinks.
+KINDS = ["llama", "qwen3_5", "deepseek_v3", "gemma4-31b", "gpt-oss-20b"]
 
 
-def _mla(path):
-    from test_mla import CONFIGS, build, save_folder
-
-    cfg = CONFIGS["deepseek_v3"]
-    return save_folder(path, build(cfg), cfg)
-
-
-TARGETS = {
-    "llama": _tiny("llama"),
-    "qwen3_5": _tiny("qwen3_5"),  # Gated DeltaNet rows
-    "deepseek_v3": _mla,
-    "gemma4-31b": lambda p: write_family(p, "gemma4-31b"),  # windows past their width
-    "gpt-oss-20b": lambda p: write_family(p, "gpt-oss-20b"),  # sinks
-}
-
-
-@pytest.fixture(scope="module", params=list(TARGETS))
+@pytest.fixture(scope="module", params=KINDS)
 def target(request, tmp_path_factory):
-    t = load_target(TARGETS[request.param](tmp_path_factory.mktemp(request.param)))
-    if request.param in ("llama", "qwen3_5"):
-        diversify(t.model)
-    t.set_taps([0, t.num_layers - 1])
-    return t
+    return attention_target(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def sessions(target):
