@@ -73,6 +73,32 @@ def test_each_row_is_its_own_output_alone(target, truths, mode, budget, lookup):
     assert outs == truths
     assert batcher.max_rows >= 3, "rows were not batched"
     assert batcher.forwards < sum(MAX_TOKENS)
+    if budget == "auto":
+        assert batcher.allots > 0, "the rows' trees never shared a budget"
+
+
+def test_one_verify_budget_goes_where_acceptance_is_high():
+    """split_budget: the batch's best nodes, whichever row they are in, up to the size that
+    pays; a row whose drafts are unlikely to land gets none; each row's nodes a prefix."""
+    from mlx_dflash.engine.budget import VerifyProfile, split_budget
+
+    # A forward costs 50 + 2 per token: cheap tokens, so confident nodes pay and weak do not.
+    sizes = [1, 2, 4, 8, 16, 32, 48, 65]
+    profile = VerifyProfile(sizes, [50 + 2 * s for s in sizes])
+    sure = np.array([0.95, 0.9, 0.85, 0.8, 0.7, 0.6, 0.5, 0.4])
+    weak = np.array([0.02, 0.01, 0.01])
+    assert split_budget([sure, weak], 0, 0, 0.0, profile) == [8, 0]
+    assert split_budget([weak, sure], 0, 0, 0.0, profile) == [0, 8]
+    # Dear tokens: only the surest nodes pay, and the fixed costs of the round count.
+    dear = VerifyProfile(sizes, [10 + 8 * s for s in sizes])
+    got = split_budget([sure, weak], 0, 0, 0.0, dear)
+    assert 0 < got[0] < 8 and got[1] == 0
+    # A gain that rises inside a row is still taken after the nodes before it.
+    assert split_budget([np.array([0.1, 0.99])], 0, 0, 0.0, profile)[0] in (0, 2)
+    # Other passes in the forward make its tokens no cheaper per token here (linear cost),
+    # but count in the rate: with a large base, the same nodes still pay.
+    assert split_budget([sure, weak], 40, 4, 0.0, profile) == [8, 0]
+    assert split_budget([], 10, 1, 0.0, profile) == []
 
 
 def test_a_seeded_row_is_reproducible_batched(target, truths):

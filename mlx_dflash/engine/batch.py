@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from greenlet import getcurrent, greenlet
 
 from ..models.packed import Pass
@@ -41,12 +42,14 @@ class Batcher:
         self._runnable: list[Any] = []  # greenlets to resume in this tick
         self._pending: list[_Slot] = []  # target passes
         self._drafts: list[_Slot] = []  # drafter passes
+        self._allots: list[_Slot] = []  # auto-budget trees waiting for the round's budget
         self._hub: Any = None  # the greenlet running tick(), where rows come back to
         self.forwards = 0  # packed forwards run, the rows they carried, the most at once
         self.rows = 0
         self.max_rows = 0
         self.drafts = 0  # packed drafter passes, and the rows they carried
         self.draft_rows = 0
+        self.allots = 0  # rounds whose trees shared one verify budget (split_budget)
         self._tokens_ema = 0.0  # tokens and rows per packed forward, lately
         self._rows_ema = 0.0
 
@@ -57,7 +60,8 @@ class Batcher:
     @property
     def active(self) -> int:
         """Rows not finished."""
-        return len(self._runnable) + len(self._pending) + len(self._drafts)
+        waiting = len(self._pending) + len(self._drafts) + len(self._allots)
+        return len(self._runnable) + waiting
 
     def in_row(self) -> bool:
         """Whether the caller is a row of a tick under way (else it runs alone)."""
@@ -72,12 +76,18 @@ class Batcher:
             for row in runnable:
                 row.parent = self._hub  # a row that ends comes back here
                 row.switch()
-            if not self._drafts:
+            if self._drafts:
+                # The drafts first: their rows then build their trees and join the verify.
+                drafts, self._drafts = self._drafts, []
+                self._run_drafts(drafts)
+                self._runnable = [slot.row for slot in drafts]
+            elif self._allots:
+                # Every tree of this round is built: split one verify budget across them.
+                allots, self._allots = self._allots, []
+                self._split(allots)
+                self._runnable = [slot.row for slot in allots]
+            else:
                 break
-            # The drafts first: their rows then build their trees and join the verify.
-            drafts, self._drafts = self._drafts, []
-            self._run_drafts(drafts)
-            self._runnable = [slot.row for slot in drafts]
         if self._pending:
             batch, self._pending = self._pending, []
             self._run(batch)
@@ -105,6 +115,36 @@ class Batcher:
         if slot.error is not None:
             raise slot.error
         return slot.result
+
+    def allot(self, policy, tree) -> int | None:
+        """Called inside a row by its auto budget (engine/budget.py AutoBudget.cut): the
+        row's share of this round's one verify budget, in nodes after the root, once every
+        row's tree is built; None outside a tick (the policy then decides alone)."""
+        if not self.in_row():
+            return None
+        slot = _Slot((policy, tree), getcurrent())
+        self._allots.append(slot)
+        self._hub.switch()
+        if slot.error is not None:
+            raise slot.error
+        return slot.result
+
+    def _split(self, batch: list[_Slot]) -> None:
+        from .budget import split_budget
+
+        self.allots += 1
+        try:
+            policies = [s.p[0] for s in batch]
+            gains = [policy.gains(tree) for policy, tree in (s.p for s in batch)]
+            # The passes already waiting: plain steps and blocks emit about a token each.
+            base = sum(int(s.p.tokens.shape[0]) for s in self._pending)
+            t_fixed = float(np.mean([p.t_fixed for p in policies]))
+            budgets = split_budget(gains, base, len(self._pending), t_fixed, policies[0].profile)
+            for slot, b in zip(batch, budgets, strict=True):
+                slot.result = int(b)
+        except Exception as e:  # every row waiting on it hears of it, in its own round
+            for slot in batch:
+                slot.error = e
 
     def _run_drafts(self, batch: list[_Slot]) -> None:
         from ..models.drafter import propose_packed

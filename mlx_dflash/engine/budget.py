@@ -130,6 +130,38 @@ def choose_budget(
     return int(np.argmax(rate))
 
 
+def split_budget(
+    gains: list[np.ndarray],
+    base_tokens: float,
+    base_gain: float,
+    t_fixed: float,
+    profile: VerifyProfile,
+) -> list[int]:
+    """One verify budget for a batch's round, split across its rows' trees (engine/batch.py).
+
+    `gains[r]` holds row r's expected extra tokens per node in best-first order; the forward
+    also carries `base_tokens` of other passes (plain steps, prefill chunks, DFlash blocks)
+    that emit about `base_gain` tokens. Every tree's root is verified anyway (it yields the
+    row's next token), so the choice is which nodes to add: the batch's best N nodes by
+    expected gain, whichever row they belong to, with N the size that maximises the whole
+    forward's expected tokens per second. A row whose drafter is confident gets the nodes; a
+    row whose draft is unlikely to land gets none and takes a plain step.
+    """
+    if not gains:
+        return []
+    # A row's nodes are taken as a prefix (a tree cut anywhere else would orphan children):
+    # sorting on the running minimum keeps each row in order even where its gains rise.
+    keys = np.concatenate([np.minimum.accumulate(g) if len(g) else g for g in gains])
+    rows = np.concatenate([np.full(len(g), r) for r, g in enumerate(gains)]).astype(np.int64)
+    order = np.argsort(-keys, kind="stable")
+    total = np.concatenate([[0.0], np.cumsum(np.concatenate(gains)[order])])
+    roots = len(gains)
+    n = np.arange(len(total))
+    rate = (base_gain + roots + total) / (t_fixed + profile.cost(base_tokens + roots + n))
+    best = int(np.argmax(rate))
+    return np.bincount(rows[order[:best]], minlength=roots).tolist()
+
+
 class Pacer:
     """`--budget auto`: draft only while drafting pays.
 
@@ -261,8 +293,16 @@ class AutoBudget:
         return self.pacer.draft_now()
 
     def cut(self, tree: Tree) -> Tree:
-        """The tree's first b+1 nodes, b the budget that maximises expected tokens per second."""
-        return tree.prefix(choose_budget(tree, self.costs(), self.t_fixed, self.calibration) + 1)
+        """The tree's first b+1 nodes, b the budget that maximises expected tokens per second:
+        its own, or in a batch its share of the round's one budget (`split_budget`)."""
+        b = self.batch.allot(self, tree) if self.batch is not None else None
+        if b is None:
+            b = choose_budget(tree, self.costs(), self.t_fixed, self.calibration)
+        return tree.prefix(b + 1)
+
+    def gains(self, tree: Tree) -> np.ndarray:
+        """Expected extra tokens of each node after the root, at the calibrated confidence."""
+        return np.diff(expected_tokens(tree, self.calibration))
 
     def cut_lookup(self, tree: Tree, chains: list[list[int]], lookup_stats, drafted: bool):
         """Lookup branches cut to the length that maximises expected tokens per second at the
