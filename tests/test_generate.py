@@ -56,6 +56,24 @@ def test_generate_default_pair_matches_mlx_lm(run_cli, mode):
         assert max(lengths) > 1
 
 
+def test_auto_budget_joins_lookup_branches_by_default(run_cli):
+    """`--mode ddtree --budget auto` takes prompt-lookup branches unless --lookup says
+    otherwise (a fixed budget does not), and stays the target's own greedy text."""
+    from mlx_dflash.cli.options import generation_config
+
+    def lookup(budget, n=None):
+        return generation_config(8, 0.0, 1.0, 0, None, "ddtree", None, budget, n).lookup
+
+    assert lookup("auto") == 10 and lookup("auto", 0) == 0 and lookup("auto", 4) == 4
+    assert lookup(8) == 0 and lookup("8") == 0
+    _, ar, _ = run_cli("generate", "--prompt", STORY, "-n", "48", "--mode", "ar", "--json")
+    for extra in ([], ["--lookup", "0"]):
+        code, out, err = run_cli("generate", "--prompt", STORY, "-n", "48", "--mode", "ddtree",
+                                 "--budget", "auto", "--json", *extra)  # fmt: skip
+        assert code == 0, err
+        assert json.loads(out)["text"] == json.loads(ar)["text"]
+
+
 def test_generate_streams_text_and_stats(run_cli):
     code, out, err = run_cli("generate", "--prompt", STORY, "-n", "20")
     assert code == 0 and out.startswith(", there was")
