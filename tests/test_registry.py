@@ -228,6 +228,7 @@ def test_every_pair_resolves_by_id_and_by_a_requantised_name(pair):
         f"mlx-community/{name}-MLX-8bit",
         f"some-org/{name}-bf16-DWQ",
         f"models/{name.lower()}-q4_K_M/",
+        f"bartowski/{name}-GGUF",
     ):
         assert find_drafter(spelling) == default, spelling
 

@@ -172,6 +172,7 @@ DRAFTERS: dict[str, str] = {p.target: p.drafter for p in PAIRS if p.default}
 # Drafters trained here (`dflash-mlx train`, training/README.md), shipped in mlx_dflash/assets.
 SHIPPED: dict[str, str] = {
     "HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2-135m-instruct-dflash",
+    "Qwen/Qwen2.5-Coder-0.5B-Instruct": "qwen2.5-coder-0.5b-instruct-dflash",
 }
 
 # The `architectures` entry each drafter kind publishes in its config.json.
@@ -182,9 +183,9 @@ KIND_ARCHITECTURES = {
 }
 
 # Trailing tags that re-quantised or re-packaged copies add to the base model's name:
-# -MLX, -4bit, -bf16, -DWQ, -4bit-DWQ-053125, -mxfp4, -q4_K_M, -FP8, ...
+# -MLX, -GGUF, -4bit, -bf16, -DWQ, -4bit-DWQ-053125, -mxfp4, -q4_K_M, -FP8, ...
 _TAG = (
-    r"mlx|\d+bit|\d+-bit|bf16|fp\d+|float16|float32|f16|f32|dwq|awq|gptq|mxfp\d|nvfp\d"
+    r"mlx|gguf|\d+bit|\d+-bit|bf16|fp\d+|float16|float32|f16|f32|dwq|awq|gptq|mxfp\d|nvfp\d"
     r"|q\d(_[a-z0-9]+)*|v\d+|\d{6}"
 )
 _SUFFIX = re.compile(rf"([-_.]({_TAG}))+$", re.IGNORECASE)
