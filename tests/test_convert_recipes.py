@@ -412,6 +412,30 @@ def test_smollm2_shipped_drafter(smollm2, run_cli, tmp_path):
         assert runs[mode]["mean_tau"] > 1.25, (mode, runs[mode]["mean_tau"])
 
 
+def test_coder_shipped_drafter(run_cli, tmp_path):
+    """The real Qwen2.5-Coder-0.5B-Instruct (built by `make coder-models`) finds the drafter
+    trained here by its name; DFlash and DDTree output is the target's own greedy text."""
+    from mlx_dflash.checkpoints.registry import find_drafter
+
+    built = Path(__file__).resolve().parents[1] / "models" / "qwen2.5-coder-0.5b-instruct"
+    if not (built / "config.json").exists():
+        pytest.skip("needs models/qwen2.5-coder-0.5b-instruct (make coder-models)")
+    folder = tmp_path / "Qwen2.5-Coder-0.5B-Instruct-Q8_0-GGUF"
+    folder.symlink_to(built, target_is_directory=True)
+    assert Path(find_drafter(folder)).name == "qwen2.5-coder-0.5b-instruct-dflash"
+    prompt = "Write a Python function that returns the second largest number in a list."
+    runs = {}
+    for mode in ("ar", "dflash", "ddtree"):
+        extra = ["--budget", "4"] if mode == "ddtree" else []
+        code, out, err = run_cli(
+            "generate", "-m", folder, "-p", prompt, "-n", "32", "--mode", mode, "--json", *extra
+        )
+        assert code == 0, err
+        runs[mode] = json.loads(out.strip().splitlines()[-1])
+    assert runs["dflash"]["text"] == runs["ar"]["text"] == runs["ddtree"]["text"]
+    assert "def " in runs["ar"]["text"]
+
+
 # --- synthetic GGUFs: qwen2 (NeoX RoPE, biases), llama (permuted rows), llama3 (rope_freqs) -------
 
 
