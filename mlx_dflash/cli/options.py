@@ -6,7 +6,7 @@ from __future__ import annotations
 import typer
 
 from ..engine import GenerationConfig, SamplingParams
-from ..engine.session import DEFAULT_LOOKUP
+from ..engine.session import default_lookup
 from ..errors import DFlashError
 
 MODEL = typer.Option(
@@ -95,10 +95,3 @@ def generation_config(
         budget=budget,
         lookup=default_lookup(mode, budget) if lookup is None else lookup,
     )
-
-
-def default_lookup(mode: str, budget) -> int:
-    """Lookup branches join DDTree trees by default under --budget auto: the budget prices
-    them at their measured acceptance and drops them where they do not pay, and with them
-    `ddtree:auto` was as fast or faster on every bench set (README "Prompt lookup")."""
-    return DEFAULT_LOOKUP if mode == "ddtree" and str(budget) == "auto" else 0

@@ -45,6 +45,14 @@ def parse_budget(budget: int | str) -> int | str:
 MAX_TOP_LOGPROBS = 20
 
 
+def default_lookup(mode: str, budget) -> int:
+    """The commands' --lookup when it is not given: lookup branches join DDTree trees under
+    --budget auto, which prices them at their measured acceptance and drops them where they
+    do not pay (with them `ddtree:auto` was as fast or faster on every bench set: README
+    "Prompt lookup joins auto trees by default"); none with a fixed budget."""
+    return DEFAULT_LOOKUP if mode == "ddtree" and str(budget) == "auto" else 0
+
+
 @dataclass
 class GenerationConfig:
     """Checked when built: a bad mode or budget is one sentence before any model work."""
