@@ -27,8 +27,8 @@ from ..models.packed import Pass
 
 @dataclass
 class _Slot:
-    p: Any  # a target Pass, or a drafter's (runner, (last, start, n))
-    row: Any  # the greenlet waiting for this pass
+    p: Any  # a target Pass, a drafter's (runner, (last, start, n)), or (auto budget, tree)
+    row: Any  # the greenlet waiting for it
     result: Any = None
     error: BaseException | None = None
 
@@ -99,22 +99,12 @@ class Batcher:
         (logits, taps)."""
         if not self.in_row():  # not inside a row: run it now
             return self._alone(p)
-        slot = _Slot(p, getcurrent())
-        self._pending.append(slot)
-        self._hub.switch()
-        if slot.error is not None:
-            raise slot.error
-        return slot.result
+        return self._wait(self._pending, p)
 
     def propose(self, runner, last: int, start: int, n: int):
         """Called inside a row by its DrafterRunner: the pass joins the next packed drafter
         pass (models/drafter.py propose_packed); resumes with its Proposal."""
-        slot = _Slot((runner, (last, start, n)), getcurrent())
-        self._drafts.append(slot)
-        self._hub.switch()
-        if slot.error is not None:
-            raise slot.error
-        return slot.result
+        return self._wait(self._drafts, (runner, (last, start, n)))
 
     def allot(self, policy, tree) -> int | None:
         """Called inside a row by its auto budget (engine/budget.py AutoBudget.cut): the
@@ -122,8 +112,13 @@ class Batcher:
         row's tree is built; None outside a tick (the policy then decides alone)."""
         if not self.in_row():
             return None
-        slot = _Slot((policy, tree), getcurrent())
-        self._allots.append(slot)
+        return self._wait(self._allots, (policy, tree))
+
+    def _wait(self, queue: list[_Slot], p: Any):
+        """Queue this row's request `p`, suspend the row until the tick has served it, and
+        return its result (or raise its error)."""
+        slot = _Slot(p, getcurrent())
+        queue.append(slot)
         self._hub.switch()
         if slot.error is not None:
             raise slot.error

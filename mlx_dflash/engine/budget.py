@@ -151,7 +151,7 @@ def split_budget(
         return []
     # A row's nodes are taken as a prefix (a tree cut anywhere else would orphan children):
     # sorting on the running minimum keeps each row in order even where its gains rise.
-    keys = np.concatenate([np.minimum.accumulate(g) if len(g) else g for g in gains])
+    keys = np.concatenate([np.minimum.accumulate(g) for g in gains])
     rows = np.concatenate([np.full(len(g), r) for r, g in enumerate(gains)]).astype(np.int64)
     order = np.argsort(-keys, kind="stable")
     total = np.concatenate([[0.0], np.cumsum(np.concatenate(gains)[order])])
