@@ -384,6 +384,20 @@ def test_smollm2_chat_answer(smollm2_loaded):
     assert "Paris" in answer, answer
 
 
+def greedy_runs(run_cli, folder, prompt: str, n: int) -> dict[str, dict]:
+    """`generate --json` of the folder's target with its registered drafter, greedy, in ar,
+    DFlash and DDTree (budget 4): each mode's result."""
+    runs = {}
+    for mode in ("ar", "dflash", "ddtree"):
+        extra = ["--budget", "4"] if mode == "ddtree" else []
+        code, out, err = run_cli(
+            "generate", "-m", folder, "-p", prompt, "-n", str(n), "--mode", mode, "--json", *extra
+        )
+        assert code == 0, err
+        runs[mode] = json.loads(out.strip().splitlines()[-1])
+    return runs
+
+
 def test_smollm2_shipped_drafter(smollm2, run_cli, tmp_path):
     """A SmolLM2 folder finds the drafter trained here by its name; DFlash and DDTree output is
     the target's own greedy text, and the drafter is trained."""
@@ -397,14 +411,7 @@ def test_smollm2_shipped_drafter(smollm2, run_cli, tmp_path):
         "A baker makes 36 muffins in the morning and twice as many in the afternoon. He sells "
         "50 muffins. How many muffins does he have left?"
     )
-    runs = {}
-    for mode in ("ar", "dflash", "ddtree"):
-        extra = ["--budget", "4"] if mode == "ddtree" else []
-        code, out, err = run_cli(
-            "generate", "-m", folder, "-p", prompt, "-n", "40", "--mode", mode, "--json", *extra
-        )
-        assert code == 0, err
-        runs[mode] = json.loads(out.strip().splitlines()[-1])
+    runs = greedy_runs(run_cli, folder, prompt, 40)
     assert runs["dflash"]["text"] == runs["ar"]["text"] == runs["ddtree"]["text"]
     # measured on GSM8K (bench): tau 1.67 DFlash, 1.77 DDTree auto; on this prompt 1.86 DFlash,
     # 2.05 DDTree-4. A drafter that learnt only token frequencies gets ~1.08, a random one 1.00
@@ -424,14 +431,7 @@ def test_coder_shipped_drafter(run_cli, tmp_path):
     folder.symlink_to(built, target_is_directory=True)
     assert Path(find_drafter(folder)).name == "qwen2.5-coder-0.5b-instruct-dflash"
     prompt = "Write a Python function that returns the second largest number in a list."
-    runs = {}
-    for mode in ("ar", "dflash", "ddtree"):
-        extra = ["--budget", "4"] if mode == "ddtree" else []
-        code, out, err = run_cli(
-            "generate", "-m", folder, "-p", prompt, "-n", "32", "--mode", mode, "--json", *extra
-        )
-        assert code == 0, err
-        runs[mode] = json.loads(out.strip().splitlines()[-1])
+    runs = greedy_runs(run_cli, folder, prompt, 32)
     assert runs["dflash"]["text"] == runs["ar"]["text"] == runs["ddtree"]["text"]
     assert "def " in runs["ar"]["text"]
 
