@@ -16,20 +16,11 @@ and the cost against one row of float32. Shapes default to Qwen2.5-Coder-0.5B's 
 from __future__ import annotations
 
 import argparse
-import time
 
 import mlx_dflash  # noqa: F401  (first: OpenBLAS must load before mlx)
 import mlx.core as mx
 
-
-def best_time(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+from verify_cost import best_time  # scripts/ is on the path when a script runs
 
 
 def main() -> None:
@@ -56,7 +47,7 @@ def main() -> None:
                 def go(x=x, ws=ws):
                     mx.eval([x @ w.T for w in ws])
 
-                t = best_time(go, args.repeats) / args.layers
+                t = best_time(go, args.repeats, warmup=True) / args.layers
                 if base is None:
                     base = t
                 gbs = d_in * d_out * ws[0].itemsize / t / 1e9

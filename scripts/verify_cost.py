@@ -24,7 +24,10 @@ from mlx_dflash.models import attention as attention_mod
 from mlx_dflash.models.target import load_target
 
 
-def best_time(fn, repeats: int) -> float:
+def best_time(fn, repeats: int, warmup: bool = False) -> float:
+    """The fastest of `repeats` calls of fn (after one untimed call with `warmup`)."""
+    if warmup:
+        fn()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
