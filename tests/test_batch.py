@@ -16,6 +16,7 @@ from test_sampling import chi2_pvalue
 from mlx_dflash.engine import GenerationConfig, Session, generate_rounds
 from mlx_dflash.engine.batch import run_rows
 from mlx_dflash.engine.sampling import SamplingParams
+from mlx_dflash.models.arena import SlotCache
 from mlx_dflash.models.target import Target
 from mlx_dflash.models.tiny import load_module, tiny_target_config
 
@@ -33,13 +34,19 @@ def batched(target, rows, join_at=None):
         def generate(shared) -> None:
             prompt, cfg, drafter = rows[i]
             tokens = []
-            for r in generate_rounds(Session(shared, drafter), prompt, cfg):
+            session = Session(shared, drafter)
+            for r in generate_rounds(session, prompt, cfg):
                 tokens += r.tokens
             outs[i] = tokens
+            sessions.append(session)
 
         return generate
 
+    sessions: list = []
     batcher = run_rows(target, [row(i) for i in range(len(rows))], join_at)
+    # Every row's caches left the shared KV arena when it ended (models/arena.py).
+    assert not any(isinstance(c, SlotCache) for s in sessions for c in s.cache)
+    assert sorted(batcher.arena._free) == list(range(batcher.arena._slots))
     return outs, batcher
 
 

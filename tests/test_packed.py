@@ -69,3 +69,74 @@ def test_each_row_gets_its_own_forward(target):
         got, _ = target.forward(step.tokens, step.cache, step.start, logits="last", taps=False)
         want, _ = target.forward(step.tokens, ref_cache, step.start, logits="last", taps=False)
         assert np.allclose(np.array(got), np.array(want), atol=2e-4, rtol=1e-4)
+
+
+def test_rows_sharing_a_kv_arena_get_their_own_forward(target):
+    """Rows whose caches live in one KVArena (models/arena.py; several one-token steps then
+    attend as one, in slots out of packed order, with a free slot between them) get what
+    their own forwards give, through a tree's compaction and a block's trim, and leave the
+    arena with exactly their own caches."""
+    from mlx_dflash.models.arena import KVArena, SlotCache
+
+    def caches_of(t):
+        extra = []
+        for prompt in (PROMPTS[1][:5], PROMPTS[0][2:]):
+            cache = t.make_cache()
+            t.forward(mx.array(prompt), cache, 0, logits="none", taps=False)
+            extra.append(cache)
+        return sessions(t) + extra
+
+    def first(c):
+        return passes(c[:4]) + [
+            Pass(mx.array([61]), c[4], 5, logits="last", taps=False),
+            Pass(mx.array([62]), c[5], len(PROMPTS[0]) - 2, logits="last", taps=False),
+        ]
+
+    def second(c):  # after the commits below: every row a one-token step
+        ends = (len(PROMPTS[0]) + 2, len(PROMPTS[1]) + 3, len(PROMPTS[2]) + 1, 12, 6)
+        ends += (len(PROMPTS[0]) - 1,)
+        return [Pass(mx.array([91 + i]), x, e, logits="last", taps=False)
+                for i, (x, e) in enumerate(zip(c, ends, strict=True))]  # fmt: skip
+
+    def commit(c):
+        for layer in c[0]:
+            layer.trim(len(PROMPTS[0]) + 2)
+        for layer in c[1]:
+            layer.compact(len(PROMPTS[1]), [0, 1, 3])
+
+    ref = caches_of(target)
+    want = [target.forward(p.tokens, p.cache, p.start, p.parents, p.logits, p.taps, p.rewindable)
+            for p in first(ref)]  # fmt: skip
+    commit(ref)
+    want2 = [target.forward(p.tokens, p.cache, p.start, logits="last", taps=False)[0]
+             for p in second(ref)]  # fmt: skip
+
+    arena, got_caches = KVArena(), caches_of(target)
+    spare = target.make_cache()
+    target.forward(mx.array([3, 4]), spare, 0, logits="none", taps=False)
+    adopted = [arena.adopt(c) for c in [got_caches[5], spare, *got_caches[:5]]]
+    arena.release(spare)  # slot 1 is free: the rows' slots are not in packed order
+    got = target.forward_rows(first(got_caches))
+    commit(got_caches)
+    got2 = [lg for lg, _ in target.forward_rows(second(got_caches))]
+    for (l1, t1), (l2, t2) in zip(want, got, strict=True):
+        assert (l1 is None) == (l2 is None)
+        if l1 is not None:
+            assert np.allclose(np.array(l1), np.array(l2), atol=2e-4, rtol=1e-4)
+        if t1 is not None:
+            assert np.allclose(np.array(t1), np.array(t2), atol=2e-4, rtol=1e-4)
+    for l1, l2 in zip(want2, got2, strict=True):
+        assert np.allclose(np.array(l1), np.array(l2), atol=2e-4, rtol=1e-4)
+        assert (mx.argmax(l1, -1) == mx.argmax(l2, -1)).all().item()
+    if not any(adopted):  # no plain KV layer: nothing moved
+        return
+    assert any(isinstance(x, SlotCache) for x in got_caches[0])
+    for c in got_caches:
+        arena.release(c)
+    for c, r in zip(got_caches, ref, strict=True):
+        for x, y in zip(c, r, strict=True):
+            assert type(x) is type(y) and x.offset == y.offset
+            for a, b in zip(x.state_arrays, y.state_arrays, strict=True):
+                n = x.offset  # rows past the offset are free space
+                assert np.allclose(np.array(a[..., :n, :]), np.array(b[..., :n, :]), atol=2e-4)
+    assert sorted(arena._free) == list(range(arena._slots))

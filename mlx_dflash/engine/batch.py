@@ -50,6 +50,11 @@ class Batcher:
         self.drafts = 0  # packed drafter passes, and the rows they carried
         self.draft_rows = 0
         self.allots = 0  # rounds whose trees shared one verify budget (split_budget)
+        # The rows' KV caches share one buffer per layer while they run (models/arena.py):
+        # a session's caches move in at its first packed forward and out when its row ends.
+        new_arena = getattr(target, "new_arena", None)
+        self.arena = new_arena() if new_arena is not None else None
+        self._adopted: dict[Any, list[list]] = {}
         self._tokens_ema = 0.0  # tokens and rows per packed forward, lately
         self._rows_ema = 0.0
 
@@ -76,6 +81,9 @@ class Batcher:
             for row in runnable:
                 row.parent = self._hub  # a row that ends comes back here
                 row.switch()
+                if row.dead:  # its caches leave the arena (back to the session's own)
+                    for cache in self._adopted.pop(row, []):
+                        self.arena.release(cache)
             if self._drafts:
                 # The drafts first: their rows then build their trees and join the verify.
                 drafts, self._drafts = self._drafts, []
@@ -166,6 +174,13 @@ class Batcher:
             p.tokens, p.cache, p.start, p.parents, p.logits, p.taps, p.rewindable
         )
 
+    def _adopt(self, slot: _Slot) -> None:
+        """Move the pass's caches into the arena, if they are not there yet."""
+        caches = self._adopted.setdefault(slot.row, [])
+        if self.arena is not None and all(c is not slot.p.cache for c in caches):
+            if self.arena.adopt(slot.p.cache):
+                caches.append(slot.p.cache)
+
     def _run(self, batch: list[_Slot]) -> None:
         self.forwards += 1
         self.rows += len(batch)
@@ -178,6 +193,8 @@ class Batcher:
             if len(batch) == 1:  # alone: exactly the forward of an unbatched generation
                 results = [self._alone(batch[0].p)]
             else:
+                for slot in batch:
+                    self._adopt(slot)
                 results = self.target.forward_rows([s.p for s in batch])
             for slot, result in zip(batch, results, strict=True):
                 slot.result = result

@@ -22,6 +22,7 @@ from ..checkpoints.read import is_drafter_config, read_config, text_config
 from ..distributed import LOCAL, LocalWorld, World
 from ..errors import DFlashError
 from ..kernels.tree_attention import tree_depths
+from .arena import KVArena
 from .attention import AttentionSpec, attention
 from .cache import KVCache, WindowedKVCache
 from .gated_deltanet import RecurrentCache, gdn_forward
@@ -225,6 +226,11 @@ class Target:
         if self.stage is not None:
             return self.stage.make_cache(self)
         return [self.layer_cache(i) for i in range(self.num_layers)]
+
+    def new_arena(self) -> KVArena | None:
+        """A KV buffer the rows of a batch share (models/arena.py); none for a sharded target,
+        which runs one request at a time."""
+        return KVArena() if self.stage is None else None
 
     def layer_cache(self, i: int):
         """Layer i's cache: recurrent state, a window's K/V, or all K/V."""
