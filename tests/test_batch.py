@@ -46,7 +46,7 @@ def batched(target, rows, join_at=None):
     batcher = run_rows(target, [row(i) for i in range(len(rows))], join_at)
     # Every row's caches left the shared KV arena when it ended (models/arena.py).
     assert not any(isinstance(c, SlotCache) for s in sessions for c in s.cache)
-    assert sorted(batcher.arena._free) == list(range(batcher.arena._slots))
+    assert not batcher.arena.keys, "the arena keeps no memory once every row has left"
     return outs, batcher
 
 
@@ -82,6 +82,30 @@ def test_each_row_is_its_own_output_alone(target, truths, mode, budget, lookup):
     assert batcher.forwards < sum(MAX_TOKENS)
     if budget == "auto":
         assert batcher.allots > 0, "the rows' trees never shared a budget"
+
+
+def test_rows_leave_the_kv_arena_when_they_grow_past_it(target, truths, monkeypatch):
+    """Rows join the shared KV arena at their first packed forward and move back to their own
+    caches once longer than it keeps (KVArena.max_rows), mid-generation: outputs unchanged."""
+    from mlx_dflash.models.arena import KVArena
+
+    if not target.new_arena().layers:
+        pytest.skip("MLA keeps its latent cache per row: no layer of this target is in an arena")
+    monkeypatch.setattr(KVArena, "max_rows", 36)
+    released_at: list[int] = []  # a row's length when its caches left the arena
+    release = KVArena.release
+
+    def counted(self, cache):
+        released_at.append(max(getattr(c, "offset", 0) for c in cache))
+        return release(self, cache)
+
+    monkeypatch.setattr(KVArena, "release", counted)
+    rows = [(p, GenerationConfig(max_tokens=n, mode="ar"), None)
+            for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]  # fmt: skip
+    outs, _ = batched(target, rows, JOIN_AT)
+    assert outs == truths
+    # Rows 0-2 grow past 36 positions: they leave mid-generation, not only when they end.
+    assert len(released_at) == 4 and sum(n <= 36 for n in released_at) == 4, released_at
 
 
 def test_one_verify_budget_goes_where_acceptance_is_high():

@@ -73,10 +73,10 @@ def test_each_row_gets_its_own_forward(target):
 
 def test_rows_sharing_a_kv_arena_get_their_own_forward(target):
     """Rows whose caches live in one KVArena (models/arena.py; several one-token steps then
-    attend as one, in slots out of packed order, with a free slot between them) get what
-    their own forwards give, through a tree's compaction and a block's trim, and leave the
+    attend as one, in slots out of packed order, with a free slot between them, beside a row
+    with its own cache) get what their own forwards give, through a tree's compaction and a block's trim, and leave the
     arena with exactly their own caches."""
-    from mlx_dflash.models.arena import KVArena, SlotCache
+    from mlx_dflash.models.arena import SlotCache
 
     def caches_of(t):
         extra = []
@@ -111,11 +111,13 @@ def test_rows_sharing_a_kv_arena_get_their_own_forward(target):
     want2 = [target.forward(p.tokens, p.cache, p.start, logits="last", taps=False)[0]
              for p in second(ref)]  # fmt: skip
 
-    arena, got_caches = KVArena(), caches_of(target)
+    arena, got_caches = target.new_arena(), caches_of(target)
     spare = target.make_cache()
     target.forward(mx.array([3, 4]), spare, 0, logits="none", taps=False)
-    adopted = [arena.adopt(c) for c in [got_caches[5], spare, *got_caches[:5]]]
-    arena.release(spare)  # slot 1 is free: the rows' slots are not in packed order
+    # Slot 1 is free (the rows' slots are not in packed order), and row 3 keeps its own
+    # cache (as a row too long for the arena does) among the arena's rows.
+    adopted = [arena.adopt(c) for c in [got_caches[5], spare, *got_caches[:3], got_caches[4]]]
+    arena.release(spare)
     got = target.forward_rows(first(got_caches))
     commit(got_caches)
     got2 = [lg for lg, _ in target.forward_rows(second(got_caches))]
@@ -139,4 +141,4 @@ def test_rows_sharing_a_kv_arena_get_their_own_forward(target):
             for a, b in zip(x.state_arrays, y.state_arrays, strict=True):
                 n = x.offset  # rows past the offset are free space
                 assert np.allclose(np.array(a[..., :n, :]), np.array(b[..., :n, :]), atol=2e-4)
-    assert sorted(arena._free) == list(range(arena._slots))
+    assert not arena.keys and not arena._slots, "an empty arena holds no memory"

@@ -175,11 +175,18 @@ class Batcher:
         )
 
     def _adopt(self, slot: _Slot) -> None:
-        """Move the pass's caches into the arena, if they are not there yet."""
+        """Move the pass's caches into the arena if they are not there yet, or out of it once
+        the row is longer than the arena keeps (KVArena.max_rows)."""
+        if self.arena is None:
+            return
         caches = self._adopted.setdefault(slot.row, [])
-        if self.arena is not None and all(c is not slot.p.cache for c in caches):
-            if self.arena.adopt(slot.p.cache):
-                caches.append(slot.p.cache)
+        held = any(c is slot.p.cache for c in caches)
+        fits = slot.p.start + int(slot.p.tokens.shape[0]) <= self.arena.max_rows
+        if held and not fits:
+            self.arena.release(slot.p.cache)
+            caches.remove(slot.p.cache)
+        elif fits and not held and self.arena.adopt(slot.p.cache):
+            caches.append(slot.p.cache)
 
     def _run(self, batch: list[_Slot]) -> None:
         self.forwards += 1

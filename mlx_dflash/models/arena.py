@@ -34,8 +34,14 @@ class KVArena:
     """The shared buffers, one per attention layer, and which slots are taken."""
 
     step = 256  # capacity grows in steps, as a KVCache's does
+    # Every slot is as long as the longest, so a row past this many positions leaves the
+    # arena (engine/batch.py): memory stays slots x max_rows per layer, and at such lengths
+    # attention is the row's arithmetic, not small ops, so the shared buffer saves nothing.
+    max_rows = 2048
 
-    def __init__(self) -> None:
+    def __init__(self, layers: list[int] | None = None) -> None:
+        """`layers`: the standard attention layers it holds (all plain KV layers if None)."""
+        self.layers = None if layers is None else set(layers)
         self.keys: dict[int, mx.array] = {}
         self.values: dict[int, mx.array] = {}
         self._free: list[int] = []
@@ -46,7 +52,8 @@ class KVArena:
     def adopt(self, cache: list) -> bool:
         """Move a session's plain KV caches into a free slot (in place in `cache`); False if
         it holds none (windowed, MLA and recurrent layers keep their own caches)."""
-        layers = [i for i, c in enumerate(cache) if type(c) is KVCache]
+        mine = self.layers
+        layers = [i for i, c in enumerate(cache) if type(c) is KVCache and (mine is None or i in mine)]
         if not layers:
             return False
         slot = self._free.pop() if self._free else self._new_slot()
@@ -70,6 +77,10 @@ class KVArena:
         mx.eval(out)  # detached from the buffers before their next in-place write
         if slot is not None:
             self._free.append(slot)
+        if len(self._free) == self._slots:  # nobody left: give the memory back
+            self.keys.clear()
+            self.values.clear()
+            self._free, self._slots = [], 0
 
     def _new_slot(self) -> int:
         self._slots += 1
@@ -150,7 +161,8 @@ class SlotCache:
 @dataclass
 class Plan:
     """Where a packed forward's tokens go in the arena, the same for every layer: each token's
-    slot and row (`slots`, `at`), the highest slot and the longest slot after the write; and,
+    slot and row (`slots`, `at`; `tokens`: which packed tokens they are, None for all), the
+    highest slot and the longest slot after the write; and,
     when the one-token causal steps attend together, the slots lo..hi-1 they span, each slot's
     query token (`q_at`), the additive mask of its keys (`bias`, 0 up to its length, -inf
     after) and where each packed token's output sits among [the steps' slots, then the other
@@ -166,16 +178,20 @@ class Plan:
     q_at: mx.array | None = None
     bias: mx.array | None = None
     order: mx.array | None = None
+    tokens: mx.array | None = None  # the arena rows' packed tokens, None if every row's
 
 
 def plan_forward(spans: list[tuple[int, int, bool]], caches: list, together: bool) -> Plan:
-    """The Plan of rows (a, b, causal) whose caches are `caches` (before the write);
-    `together`: whether this layer's one-token causal steps may attend as one."""
-    pairs = list(zip(spans, caches, strict=True))
-    slots = np.concatenate([np.full(b - a, c.slot) for (a, b, _), c in pairs])
-    at = np.concatenate([c.offset + np.arange(b - a) for (a, b, _), c in pairs])
+    """The Plan of rows (a, b, causal) whose caches are `caches` (before the write; a row
+    whose cache is not a SlotCache attends on its own); `together`: whether this layer's
+    one-token causal steps may attend as one."""
+    held = [j for j, c in enumerate(caches) if isinstance(c, SlotCache)]
+    slots = np.concatenate([np.full(spans[j][1] - spans[j][0], caches[j].slot) for j in held])
+    at = np.concatenate([caches[j].offset + np.arange(spans[j][1] - spans[j][0]) for j in held])
     plan = Plan(mx.array(slots), mx.array(at), int(slots.max()), int(at.max()) + 1)
-    steps = [j for j, (a, b, causal) in enumerate(spans) if b - a == 1 and causal]
+    if len(held) < len(spans):  # the arena rows' tokens, out of the packed ones
+        plan.tokens = mx.array(np.concatenate([np.arange(*spans[j][:2]) for j in held]))
+    steps = [j for j in held if spans[j][1] - spans[j][0] == 1 and spans[j][2]]
     if not together or len(steps) < 2:
         return plan
     lo = min(caches[j].slot for j in steps)

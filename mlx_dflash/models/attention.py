@@ -61,8 +61,7 @@ def packed_attention(attn, spec: AttentionSpec, x, positions, rows, window=None)
     parents, masks)` (its tokens a:b) attends over its own cache. `positions`: every packed
     token's position."""
     q, k, v, gate = _qkv(attn, spec, x, 0, positions)
-    caches = [r[2] for r in rows]
-    if all(isinstance(c, SlotCache) and c.arena is caches[0].arena for c in caches):
+    if any(isinstance(r[2], SlotCache) for r in rows):
         return _output(attn, _arena_attention(attn, q, k, v, rows, window), gate)
     outs = [
         attend_cached(attn, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], c, s, p, par, m, window)
@@ -73,19 +72,22 @@ def packed_attention(attn, spec: AttentionSpec, x, positions, rows, window=None)
 
 def _arena_attention(attn, q, k, v, rows, window) -> mx.array:
     """packed_attention over rows whose caches share a KV arena (models/arena.py): one
-    scatter writes every row's keys, the one-token causal steps attend together in one
-    batched attention, trees and blocks each over a view of their slot."""
+    scatter writes every arena row's keys, the one-token causal steps attend together in one
+    batched attention, trees and blocks each over a view of their slot, and a row that left
+    the arena over its own cache."""
     caches = [r[2] for r in rows]
-    arena, layer = caches[0].arena, caches[0].layer
+    arena, layer = next((c.arena, c.layer) for c in caches if isinstance(c, SlotCache))
     together = _sinks(attn) is None and k.shape[-1] == v.shape[-1] and window is None
     plans = rows[0][6].setdefault("arena", {})  # the same for every layer of this forward
     if together not in plans:
         spans = [(r[0], r[1], r[5] is None) for r in rows]
         plans[together] = plan_forward(spans, caches, together)
     plan = plans[together]
-    arena.write(layer, plan.slots, plan.at, k, v, plan.top, plan.need)
+    new_k, new_v = (k, v) if plan.tokens is None else (k[:, :, plan.tokens], v[:, :, plan.tokens])
+    arena.write(layer, plan.slots, plan.at, new_k, new_v, plan.top, plan.need)
     for c, r in zip(caches, rows, strict=True):
-        c.offset += r[1] - r[0]
+        if isinstance(c, SlotCache):
+            c.offset += r[1] - r[0]
     pieces = []
     if plan.steps:
         assert plan.bias is not None and plan.q_at is not None
@@ -96,9 +98,17 @@ def _arena_attention(attn, q, k, v, rows, window) -> mx.array:
         out = step_attention(qs, keys, values, plan.bias, _scale(attn))
         pieces.append(out[:, :, 0].transpose(1, 0, 2)[None])
     for j, (a, b, c, s, p, par, m) in enumerate(rows):
-        if j not in plan.steps:
-            keys, values = c.held(0)
-            pieces.append(_attend(attn, q[:, :, a:b], keys, values, s, p, par, m, window, 0))
+        if j in plan.steps:
+            continue
+        if not isinstance(c, SlotCache):  # a row too long for the arena: its own cache
+            pieces.append(
+                attend_cached(
+                    attn, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], c, s, p, par, m, window
+                )
+            )
+            continue
+        keys, values = c.held(0)
+        pieces.append(_attend(attn, q[:, :, a:b], keys, values, s, p, par, m, window, 0))
     out = mx.concatenate(pieces, axis=2) if len(pieces) > 1 else pieces[0]
     return out if plan.order is None else mx.take(out, plan.order, axis=2)
 

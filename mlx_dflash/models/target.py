@@ -228,9 +228,17 @@ class Target:
         return [self.layer_cache(i) for i in range(self.num_layers)]
 
     def new_arena(self) -> KVArena | None:
-        """A KV buffer the rows of a batch share (models/arena.py); none for a sharded target,
-        which runs one request at a time."""
-        return KVArena() if self.stage is None else None
+        """A KV buffer the rows of a batch share (models/arena.py) for the standard attention
+        layers (MLA's latent cache, windows and recurrences stay per row); none for a sharded
+        target, which runs one request at a time."""
+        if self.stage is not None:
+            return None
+        standard = [
+            i
+            for i, layer in enumerate(self.layers)
+            if not _is_linear(layer) and not is_mla(layer.self_attn) and self.windows[i] is None
+        ]
+        return KVArena(standard)
 
     def layer_cache(self, i: int):
         """Layer i's cache: recurrent state, a window's K/V, or all K/V."""
