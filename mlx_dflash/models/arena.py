@@ -53,7 +53,9 @@ class KVArena:
         """Move a session's plain KV caches into a free slot (in place in `cache`); False if
         it holds none (windowed, MLA and recurrent layers keep their own caches)."""
         mine = self.layers
-        layers = [i for i, c in enumerate(cache) if type(c) is KVCache and (mine is None or i in mine)]
+        layers = [
+            i for i, c in enumerate(cache) if type(c) is KVCache and (mine is None or i in mine)
+        ]
         if not layers:
             return False
         slot = self._free.pop() if self._free else self._new_slot()
