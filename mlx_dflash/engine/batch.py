@@ -82,8 +82,7 @@ class Batcher:
                 row.parent = self._hub  # a row that ends comes back here
                 row.switch()
                 if row.dead:  # its caches leave the arena (back to the session's own)
-                    for cache in self._adopted.pop(row, []):
-                        self.arena.release(cache)
+                    self._release(row)
             if self._drafts:
                 # The drafts first: their rows then build their trees and join the verify.
                 drafts, self._drafts = self._drafts, []
@@ -173,6 +172,11 @@ class Batcher:
         return self.target.forward(
             p.tokens, p.cache, p.start, p.parents, p.logits, p.taps, p.rewindable
         )
+
+    def _release(self, row) -> None:
+        for cache in self._adopted.pop(row, []):
+            if self.arena is not None:
+                self.arena.release(cache)
 
     def _adopt(self, slot: _Slot) -> None:
         """Move the pass's caches into the arena if they are not there yet, or out of it once
