@@ -233,6 +233,32 @@ def test_the_auto_budget_prices_a_tree_at_its_share_of_the_packed_forward():
     assert policy.pacer.plain[1] == pytest.approx(0.5 * 60 + 0.5 * share)
 
 
+def test_a_batched_pacer_weighs_trees_against_a_plain_steps_share():
+    """In a batch a tree round is weighed against what a plain step adds to the packed forward,
+    from the first round (not against a forward of its own, which made every tree round of a
+    tau ~1 drafter look like a win: rows drafted every round and ran 1.4x slower than plain
+    steps); and a noisy profile (16 tokens timed faster than 8) never prices a token at zero
+    or below."""
+    from mlx_dflash.engine.budget import AutoBudget, MarginalProfile, VerifyProfile
+    from mlx_dflash.engine.tree import Tree
+
+    noisy = VerifyProfile([1, 2, 4, 8, 16, 32, 48, 65], [100, 130, 175, 175, 160, 310, 400, 490])
+    assert (np.diff(noisy.seconds) >= 0).all()
+    for others in (0, 3, 6, 9.5, 12, 40):
+        assert (MarginalProfile(noisy, others).cost(np.arange(1, 9)) > 0).all(), others
+
+    class Busy:
+        def others_tokens(self):
+            return 12.0
+
+    policy = AutoBudget(noisy)
+    policy.batch = Busy()
+    tree = Tree(np.array([5, 6]), np.array([-1, 0]), np.array([0, 1]), np.log([1.0, 0.5]))
+    # One token a round, 40 of drafting and host time: a loss against a plain step's share.
+    policy.record_tree(tree, 2, [0], 1, 40.0, 200.0)
+    assert not policy.draft_now(), "a batched row kept drafting at tau 1"
+
+
 def test_a_long_prompt_is_read_in_chunks_between_the_other_rows_rounds(target, truths):
     """A 300-token prompt joining mid-way is prefilled in chunks that ride with the decoding
     row's rounds: that row keeps emitting while the prompt is read, and both stay exact."""

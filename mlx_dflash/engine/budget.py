@@ -31,7 +31,10 @@ class VerifyProfile:
 
     def __init__(self, sizes, seconds):
         self.sizes = np.asarray(sizes, dtype=np.float64)
-        self.seconds = np.asarray(seconds, dtype=np.float64)
+        # More tokens never cost less: a noisy measurement (a 16-token verify timed faster
+        # than an 8-token one) would give a negative marginal cost, and in a batch the pacer
+        # would then price a plain step below zero and draft every round.
+        self.seconds = np.maximum.accumulate(np.asarray(seconds, dtype=np.float64))
 
     def cost(self, n_tokens) -> np.ndarray:
         """Seconds to verify n tokens: interpolated, and linear past the largest size measured
@@ -102,8 +105,14 @@ class MarginalProfile:
         self.profile, self.others = profile, float(others)
 
     def cost(self, n_tokens) -> np.ndarray:
+        n = np.asarray(n_tokens, dtype=np.float64)
         base = self.profile.cost(self.others)
-        return self.profile.cost(self.others + np.asarray(n_tokens, dtype=np.float64)) - base
+        # At least half the profile's mean cost per token: where the measured curve is flat
+        # between two sizes, a token would otherwise cost nothing (and a plain step's rate
+        # be infinite, or its time zero).
+        p = self.profile
+        floor = 0.5 * (p.seconds[-1] - p.seconds[0]) / max(p.sizes[-1] - p.sizes[0], 1.0)
+        return np.maximum(self.profile.cost(self.others + n) - base, floor * n)
 
 
 def profile_key(target) -> str:
@@ -342,7 +351,13 @@ class AutoBudget:
             self.realised = 0.9 * self.realised + 0.1 * realised
         self.tree_rounds += 1
         if self.batch is not None:  # the verify's share of the packed forward, not its wall
-            t = t_fixed + float(self.costs().cost(len(tree.tokens)))
+            costs = self.costs()
+            t = t_fixed + float(costs.cost(len(tree.tokens)))
+            # And the plain step it is weighed against is a token's share too, now: not the
+            # forward of its own the pacer starts from, which made every tree round look like
+            # a win in a batch (so no plain step ever came to correct it, and rows drafted
+            # every round at tau ~1 while plain rows ran 1.4x faster).
+            self.pacer.plain = (1.0, float(costs.cost(1)))
         self.pacer.record_tree(emitted, t)
 
 
