@@ -103,16 +103,16 @@ class MarginalProfile:
 
     def __init__(self, profile: VerifyProfile, others: float):
         self.profile, self.others = profile, float(others)
-
-    def cost(self, n_tokens) -> np.ndarray:
-        n = np.asarray(n_tokens, dtype=np.float64)
-        base = self.profile.cost(self.others)
+        self.base = profile.cost(self.others)
         # At least half the profile's mean cost per token: where the measured curve is flat
         # between two sizes, a token would otherwise cost nothing (and a plain step's rate
         # be infinite, or its time zero).
-        p = self.profile
-        floor = 0.5 * (p.seconds[-1] - p.seconds[0]) / max(p.sizes[-1] - p.sizes[0], 1.0)
-        return np.maximum(self.profile.cost(self.others + n) - base, floor * n)
+        span = max(profile.sizes[-1] - profile.sizes[0], 1.0)
+        self.floor = 0.5 * (profile.seconds[-1] - profile.seconds[0]) / span
+
+    def cost(self, n_tokens) -> np.ndarray:
+        n = np.asarray(n_tokens, dtype=np.float64)
+        return np.maximum(self.profile.cost(self.others + n) - self.base, self.floor * n)
 
 
 def profile_key(target) -> str:
