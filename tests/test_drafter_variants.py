@@ -437,8 +437,9 @@ def test_a_tap_of_the_last_layer_is_its_output_before_the_final_norm(targets):
     h = inner.embed_tokens(mx.array(PROMPT)[None])
     for layer in inner.layers:
         h = layer(h, "causal", None)
-    last = np.array(taps[:, target.hidden_size :])
-    np.testing.assert_allclose(last, np.array(h[0]), rtol=1e-4, atol=1e-4)
+    last, ref = np.array(taps[:, target.hidden_size :]), np.array(h[0])
+    # Float32 noise scales with the residual stream's size (~60 here), not with each element.
+    np.testing.assert_allclose(last, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
     assert not np.allclose(last, np.array(inner.norm(h)[0]), atol=1e-2)
 
 

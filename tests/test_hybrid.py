@@ -76,11 +76,14 @@ def _prefilled(target, tokens):
 
 
 def _assert_same_state(cache_a, cache_b):
+    """Equal up to float32 summation order: a state gathered along the accepted path and one
+    rebuilt by a fresh prefill add the same terms in a different order (~5e-5 on O(1) values,
+    depending on the BLAS and MLX build); a wrong commit differs by O(1)."""
     for a, b in zip(cache_a, cache_b, strict=True):
         if isinstance(a, RecurrentCache):
             assert a.offset == b.offset
-            np.testing.assert_allclose(np.array(a.state), np.array(b.state), atol=2e-5, rtol=1e-4)
-            np.testing.assert_allclose(np.array(a.conv), np.array(b.conv), atol=2e-5, rtol=1e-4)
+            np.testing.assert_allclose(np.array(a.state), np.array(b.state), atol=2e-4, rtol=1e-4)
+            np.testing.assert_allclose(np.array(a.conv), np.array(b.conv), atol=2e-4, rtol=1e-4)
         else:
             assert a.offset == b.offset
             np.testing.assert_allclose(
