@@ -3,7 +3,10 @@ models, verify profiles and kernel verdicts."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import platform
 from pathlib import Path
 
 ASSETS = Path(__file__).parent / "assets"
@@ -14,3 +17,16 @@ DEFAULT_DRAFTER = ASSETS / "stories260K-dflash"
 def cache_root() -> Path:
     """$DFLASH_MLX_CACHE, else ~/.cache/dflash-mlx."""
     return Path(os.environ.get("DFLASH_MLX_CACHE", Path.home() / ".cache" / "dflash-mlx"))
+
+
+def profile_key(target) -> str:
+    """The name of what is measured once per model and machine (verify profile, row padding):
+    the model's config, the CPU architecture, GPU or CPU, and how many machines share it."""
+    import mlx.core as mx
+
+    device = "gpu" if mx.metal.is_available() else "cpu"
+    ident = json.dumps(target.config, sort_keys=True, default=str)
+    h = hashlib.sha1(ident.encode()).hexdigest()[:12]
+    size = target.world.size
+    shards = f"-tp{size}" if size > 1 else ""
+    return f"{target.model_type}-{h}-{platform.machine()}-{device}{shards}"

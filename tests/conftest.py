@@ -77,6 +77,21 @@ def no_hub(monkeypatch):
     monkeypatch.setattr(convert, "_snapshot_download", offline)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_environment(tmp_path_factory):
+    """Before any fixture loads a model (module-scoped ones included): caches in one folder
+    per test session, never the user's ~/.cache, and every loaded target's forwards padded to
+    multiples of 16 rows (models/rows.py): deterministic, unlike a measured table, so every
+    exactness test runs padded. A variable set outside the tests wins."""
+    patch = pytest.MonkeyPatch()
+    if "DFLASH_MLX_CACHE" not in os.environ:
+        patch.setenv("DFLASH_MLX_CACHE", str(_session_cache(tmp_path_factory)))
+    if "DFLASH_MLX_ROW_PADDING" not in os.environ:
+        patch.setenv("DFLASH_MLX_ROW_PADDING", "16")
+    yield
+    patch.undo()
+
+
 @pytest.fixture(autouse=True)
 def isolated_cache(monkeypatch, tmp_path_factory):
     """Caches (verify profiles, kernel verdicts) go to one folder per test session, never to

@@ -9,15 +9,13 @@ the same questions, so the round has no `if auto` of its own.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import platform
 import time
 
 import mlx.core as mx
 import numpy as np
 
-from ..paths import cache_root
+from ..paths import cache_root, profile_key
 from .session import Session
 from .tree import Tree, expected_tokens, graft
 
@@ -113,15 +111,6 @@ class MarginalProfile:
     def cost(self, n_tokens) -> np.ndarray:
         n = np.asarray(n_tokens, dtype=np.float64)
         return np.maximum(self.profile.cost(self.others + n) - self.base, self.floor * n)
-
-
-def profile_key(target) -> str:
-    device = "gpu" if mx.metal.is_available() else "cpu"
-    ident = json.dumps(target.config, sort_keys=True, default=str)
-    h = hashlib.sha1(ident.encode()).hexdigest()[:12]
-    size = target.world.size
-    shards = f"-tp{size}" if size > 1 else ""
-    return f"{target.model_type}-{h}-{platform.machine()}-{device}{shards}"
 
 
 def choose_budget(
@@ -277,7 +266,9 @@ class AutoBudget:
         (on the target itself when it is batched: alone, not inside someone's batch)."""
         batch = getattr(target, "batcher", None)
         target = getattr(target, "unbatched", target)
-        policy = cls(VerifyProfile.load_or_measure(target, profile_key(target)))
+        # A forward padded to BLAS's cheaper row counts (models/rows.py) has its own profile.
+        padded = "-padded" if getattr(target, "padding", None) is not None else ""
+        policy = cls(VerifyProfile.load_or_measure(target, profile_key(target) + padded))
         policy.batch = batch
         return policy
 

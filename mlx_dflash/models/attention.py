@@ -16,6 +16,7 @@ from ..kernels.cpu_attention import cpu_attention, use_cpu_attention
 from ..kernels.tree_attention import ancestor_mask, tree_attention
 from .arena import SlotCache, plan_forward, step_attention
 from .cache import KVCache
+from .rows import pad_rows
 
 
 @dataclass(frozen=True)
@@ -45,29 +46,33 @@ def attention(
     parents,
     masks: dict,
     window: int | None = None,
+    real: int | None = None,
 ) -> mx.array:
     """mlx-lm's attention module `attn` over x (1, T, H): per-token positions (`positions`,
     else start..start+T-1) and causal or tree attention (`parents`); K/V appended to `cache`.
     `masks` is shared by the layers of one verify, so a tree's mask is built once.
-    `window`: a sliding-window layer's width (a query sees the `window` newest positions)."""
-    q, k, v, gate = _qkv(attn, spec, x, start, positions)
+    `window`: a sliding-window layer's width (a query sees the `window` newest positions).
+    `real`: how many of x's rows are tokens; the rest are row padding (models/rows.py), which
+    the projections run over and nothing else sees."""
+    q, k, v, gate = _qkv(attn, spec, x, start, positions, real)
     out = attend_cached(attn, q, k, v, cache, start, positions, parents, masks, window)
-    return _output(attn, out, gate)
+    return _output(attn, out, gate, x.shape[1])
 
 
 def packed_attention(attn, spec: AttentionSpec, x, positions, rows, window=None) -> mx.array:
     """Several sequences' tokens packed along x (1, sum T, H) (models/packed.py): the
-    projections run once over all of them, then each row `(a, b, cache, start, positions,
-    parents, masks)` (its tokens a:b) attends over its own cache. `positions`: every packed
-    token's position."""
-    q, k, v, gate = _qkv(attn, spec, x, 0, positions)
+    projections run once over all of them (and any row padding after them, models/rows.py),
+    then each row `(a, b, cache, start, positions, parents, masks)` (its tokens a:b) attends
+    over its own cache. `positions`: every packed token's position."""
+    real = rows[-1][1]
+    q, k, v, gate = _qkv(attn, spec, x, 0, positions, real)
     if any(isinstance(r[2], SlotCache) for r in rows):
-        return _output(attn, _arena_attention(attn, q, k, v, rows, window), gate)
+        return _output(attn, _arena_attention(attn, q, k, v, rows, window), gate, x.shape[1])
     outs = [
         attend_cached(attn, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], c, s, p, par, m, window)
         for a, b, c, s, p, par, m in rows
     ]
-    return _output(attn, mx.concatenate(outs, axis=2), gate)
+    return _output(attn, mx.concatenate(outs, axis=2), gate, x.shape[1])
 
 
 def _arena_attention(attn, q, k, v, rows, window) -> mx.array:
@@ -113,10 +118,13 @@ def _arena_attention(attn, q, k, v, rows, window) -> mx.array:
     return out if plan.order is None else mx.take(out, plan.order, axis=2)
 
 
-def _qkv(attn, spec: AttentionSpec, x, start: int, positions):
+def _qkv(attn, spec: AttentionSpec, x, start: int, positions, real: int | None = None):
     """q (1, heads, T, D) and k (1, kv, T, D) rotated at their positions, v (1, kv, T, Dv), and
-    the output gate or None."""
+    the output gate or None: of x's first `real` rows (the projections run over all of them)."""
     q, k, v, gate = _project(attn, spec, x) if spec.project is None else spec.project(attn, x)
+    if real is not None and real < x.shape[1]:
+        q, k, v = q[:, :real], k[:, :real], v[:, :real]
+        gate = None if gate is None else gate[:, :real]
     q, k = _rotate(attn, q, k, start, positions)
     return q, k, v.transpose(0, 2, 1, 3), gate
 
@@ -128,13 +136,14 @@ def attend_cached(attn, q, k, v, cache, start, positions, parents, masks, window
     return _attend(attn, q, keys, values, start, positions, parents, masks, window, held_from)
 
 
-def _output(attn, out, gate) -> mx.array:
-    """(1, heads, T, Dv) attention output, gated, through o_proj."""
+def _output(attn, out, gate, rows: int | None = None) -> mx.array:
+    """(1, heads, T, Dv) attention output, gated, through o_proj (at `rows` rows, zero rows of
+    padding after the T real ones: models/rows.py)."""
     T = out.shape[2]
     out = out.transpose(0, 2, 1, 3).reshape(1, T, -1)
     if gate is not None:
         out = out * mx.sigmoid(gate)
-    return attn.o_proj(out)
+    return attn.o_proj(pad_rows(out, rows or T))
 
 
 def _project(attn, spec: AttentionSpec, x):

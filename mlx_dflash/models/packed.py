@@ -4,7 +4,8 @@ Each row is one Session's pass (a verify block or tree, a prefill chunk, a plain
 own caches. Their tokens are packed end to end into one (1, sum T, H) sequence, so every weight
 matrix is read once for all rows (projections, MLP / MoE, the LM head), while attention, Gated
 DeltaNet recurrences and MLA run row by row over each row's own cache, positions and mask. No
-padding: rows of 1 and of 60 tokens cost what their tokens cost.
+padding between rows: rows of 1 and of 60 tokens cost what their tokens cost (only the packed
+total may be padded to a row count BLAS runs faster, models/rows.py).
 
 Each row's result is what `Target.forward` gives it alone, up to float rounding (a matmul over
 more rows may sum in another order), the same tolerance speculative verification already has
@@ -24,6 +25,7 @@ from ..kernels.tree_attention import tree_depths
 from .attention import packed_attention
 from .gated_deltanet import gdn_forward
 from .mla import is_mla, mla_attention
+from .rows import on_real_rows, pad_rows
 
 
 @dataclass
@@ -72,6 +74,7 @@ def forward_packed(target, passes: list[Pass]) -> list[tuple[mx.array | None, mx
         a = b
     positions = mx.array(np.concatenate(every), dtype=mx.int32)
     h = target.embed(mx.concatenate([p.tokens for p in passes])[None])
+    h = pad_rows(h, target.rows(a))  # the dense layers' cheaper row count (models/rows.py)
     tapped: dict[int, mx.array] = {}
     tap_set = set(target.tap_ids) if any(p.taps for p in passes) else set()
     for i in range(target.num_layers):
@@ -86,9 +89,13 @@ def _mixer(target, i: int, rows: list[_Row], positions: mx.array):
     """Layer i's token mixer over the packed sequence, row by row where it reads a cache."""
     layer = target.layers[i]
 
+    real = rows[-1].b  # the rows after it are padding (models/rows.py)
+
     def per_row(fn):
         def mix(x):
-            return mx.concatenate([fn(x[:, r.a : r.b], r) for r in rows], axis=1)
+            return on_real_rows(
+                lambda y: mx.concatenate([fn(y[:, r.a : r.b], r) for r in rows], axis=1), x, real
+            )
 
         return mix
 
@@ -121,7 +128,9 @@ def _outputs(target, h: mx.array, rows: list[_Row], tapped: dict[int, mx.array])
         sizes.append({"all": r.b - r.a, "last": 1}.get(r.p.logits, 0))
     logits = None
     if picks:
-        logits = target.output_logits(target.inner.norm(mx.concatenate(picks, axis=1)))[0]
+        picked = mx.concatenate(picks, axis=1)
+        k = picked.shape[1]
+        logits = target.output_logits(target.inner.norm(pad_rows(picked, target.rows(k))))[0, :k]
     out, at = [], 0
     for r, n in zip(rows, sizes, strict=True):
         row_logits = None if n == 0 or logits is None else logits[at : at + n]

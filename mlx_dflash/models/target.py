@@ -30,6 +30,7 @@ from .gemma4 import gemma4_block, gemma4_project
 from .minimax import minimax_project
 from .mla import is_mla, mla_attention
 from .packed import forward_packed
+from .rows import RowPadding, on_real_rows, pad_rows
 
 
 def prenorm_block(layer, h, mix):
@@ -211,7 +212,14 @@ class Target:
         self.stage = None  # a pipeline stage (mlx_dflash.distributed.Stage): my layers only
         self.hidden_size = int(self.text_config["hidden_size"])
         self.vocab_size = int(self.text_config["vocab_size"])
+        # The row count each forward's dense layers run at (models/rows.py); load_target
+        # measures it on the CPU backend, None runs every forward at its own size.
+        self.padding: RowPadding | None = None
         self.set_taps(tap_ids)
+
+    def rows(self, n: int) -> int:
+        """The row count n tokens' dense layers run at."""
+        return n if self.padding is None else self.padding(n)
 
     def set_taps(self, tap_ids) -> None:
         tap_ids = [int(t) for t in tap_ids]
@@ -325,32 +333,37 @@ class Target:
         tree = (positions, mx_parents, parents)
         if self.stage is not None:
             return self.stage.forward(self, tokens, cache, start, tree, logits, taps, rewindable)
+        n = int(tokens.shape[0])
         h, tapped = self.run_layers(
-            self.embed(tokens[None]),
+            pad_rows(self.embed(tokens[None]), self.rows(n)),
             range(self.num_layers),
             cache,
             start,
             tree,
             set(self.tap_ids) if taps else set(),
             rewindable,
+            real=n,
         )
         out_taps = None
         if tapped:  # config order, not layer order
-            out_taps = mx.concatenate([tapped[t] for t in self.tap_ids], axis=-1)
-        return self.head(h, logits), out_taps
+            out_taps = mx.concatenate([tapped[t][:n] for t in self.tap_ids], axis=-1)
+        return self.head(h, logits, real=n), out_taps
 
     def forward_rows(self, passes: list) -> list[tuple[mx.array | None, mx.array | None]]:
         """Several sessions' forwards (models/packed.py Pass) as one packed forward: each
         row's (logits, taps), as `forward` gives it alone."""
         return forward_packed(self, passes)
 
-    def head(self, h: mx.array, logits: str) -> mx.array | None:
-        """Final norm and LM head over all positions, the last one, or none."""
+    def head(self, h: mx.array, logits: str, real: int | None = None) -> mx.array | None:
+        """Final norm and LM head over all positions, the last one, or none; `real`: how many
+        of h's rows are tokens (the rest row padding, which the head runs over at its cheaper
+        size, models/rows.py)."""
         if logits == "none":
             return None
+        n = h.shape[1] if real is None else real
         if logits == "last":
-            h = h[:, -1:]
-        return self.output_logits(self.inner.norm(h))[0]
+            return self.output_logits(self.inner.norm(h[:, n - 1 : n]))[0]
+        return self.output_logits(self.inner.norm(h))[0, :n]
 
     def output_logits(self, h: mx.array) -> mx.array:
         """The target's logits of final-normed hidden states: its LM head and, for Muse
@@ -367,10 +380,12 @@ class Target:
         return logits
 
     def run_layers(
-        self, h, layers, cache, start, tree, tap_set, rewindable
+        self, h, layers, cache, start, tree, tap_set, rewindable, real=None
     ) -> tuple[mx.array, dict[int, mx.array]]:
         """Layers `layers` over hidden states h (1, T, H); the tapped ones' outputs by index.
-        `tree`: (positions, parents as mx, parents as numpy), all None for a causal block."""
+        `tree`: (positions, parents as mx, parents as numpy), all None for a causal block.
+        `real`: how many of the T rows are tokens, the rest row padding (models/rows.py)."""
+        real = h.shape[1] if real is None else real
         positions, parents, np_parents = tree
         masks: dict = {}  # the tree's ancestor mask, built by the first attention layer
         tapped = {}
@@ -379,13 +394,21 @@ class Target:
 
             def mix(x, layer=layer, c=c, i=i):
                 if _is_linear(layer):
-                    return gdn_forward(layer.linear_attn, x, c, start, np_parents, rewindable)
+                    gdn = layer.linear_attn
+                    return on_real_rows(
+                        lambda y: gdn_forward(gdn, y, c, start, np_parents, rewindable), x, real
+                    )
                 if is_mla(layer.self_attn):
-                    return mla_attention(layer.self_attn, x, c, start, positions, parents, masks)
+                    mla = layer.self_attn
+                    return on_real_rows(
+                        lambda y: mla_attention(mla, y, c, start, positions, parents, masks),
+                        x,
+                        real,
+                    )
                 spec = self.family.attention
                 window = self.windows[i]
                 return attention(
-                    layer.self_attn, spec, x, c, start, positions, parents, masks, window
+                    layer.self_attn, spec, x, c, start, positions, parents, masks, window, real
                 )
 
             h = self.family.block(layer, h, mix)
@@ -445,7 +468,10 @@ def load_target(path: str | Path, lazy: bool = False) -> Target:
         if len(msg) > 300:
             msg = msg[:300] + "..."
         raise DFlashError(f"Could not load the target model from '{path}': {msg}") from None
-    return Target(model, tokenizer, config)
+    target = Target(model, tokenizer, config)
+    if not lazy:  # a lazy load is sharded next (distributed.py): no padding there
+        target.padding = RowPadding.for_target(target)
+    return target
 
 
 def text_eos(config: dict):
