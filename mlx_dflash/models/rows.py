@@ -25,6 +25,7 @@ import time
 import mlx.core as mx
 
 from ..paths import cache_root, profile_key
+from ..progress import progress
 
 MAX_ROWS = 64  # past a verify's largest tree, rows cost what they cost
 SIZES = range(1, MAX_ROWS + 1)
@@ -63,13 +64,19 @@ class RowPadding:
         inputs = {m: mx.random.normal((1, m, target.hidden_size)).astype(dtype) for m in SIZES}
         mx.eval(list(inputs.values()))
         seconds = dict.fromkeys(SIZES, float("inf"))
-        for _ in range(repeats):
-            for m, h in inputs.items():
-                t0 = time.perf_counter()
-                mx.eval([target.family.block(target.layers[i], h, _same) for i in layers])
-                t1 = time.perf_counter()
-                mx.eval(target.output_logits(h))
-                seconds[m] = min(seconds[m], scale * (t1 - t0) + time.perf_counter() - t1)
+        with progress() as bar:
+            task = bar.add_task(
+                "Timing this model's matmuls by row count (once per machine)",
+                total=repeats * len(SIZES),
+            )
+            for _ in range(repeats):
+                for m, h in inputs.items():
+                    t0 = time.perf_counter()
+                    mx.eval([target.family.block(target.layers[i], h, _same) for i in layers])
+                    t1 = time.perf_counter()
+                    mx.eval(target.output_logits(h))
+                    seconds[m] = min(seconds[m], scale * (t1 - t0) + time.perf_counter() - t1)
+                    bar.advance(task)
         return cls.from_costs(seconds)
 
     @classmethod
@@ -97,8 +104,11 @@ class RowPadding:
         except (OSError, ValueError, KeyError, TypeError):
             pass  # absent or damaged: measured again
         padding = cls.measure(target)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"table": padding.table}))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"table": padding.table}))
+        except OSError:
+            pass  # a read-only cache: measured again next time, nothing lost
         return padding
 
 
