@@ -122,3 +122,26 @@ def test_load_target_measures_the_table_once_and_keeps_it(tmp_path, monkeypatch)
     assert len(saved) == 1 and json.loads(saved[0].read_text())["table"] == first.table
     saved[0].write_text("{damaged")  # a damaged file is measured again, not an error
     assert load_target(folder).padding.table and len(measured) == 2
+
+
+def test_quantized_and_half_precision_targets_are_never_padded(monkeypatch):
+    """Their matmuls are MLX's own kernels, which cost more with every row."""
+    import mlx.nn as nn
+
+    from mlx_dflash.models.target import Target
+    from mlx_dflash.models.tiny import load_module, tiny_target_config
+
+    monkeypatch.setenv("DFLASH_MLX_ROW_PADDING", "16")
+    cfg = tiny_target_config("llama")
+    mod = load_module("llama")
+
+    def build():
+        return mod.Model(mod.ModelArgs.from_dict(cfg))
+
+    assert RowPadding.for_target(Target(build(), None, cfg)) is not None
+    half = build()
+    half.set_dtype(mx.bfloat16)
+    assert RowPadding.for_target(Target(half, None, cfg)) is None
+    quantized = build()
+    nn.quantize(quantized, group_size=32, bits=4)
+    assert RowPadding.for_target(Target(quantized, None, cfg)) is None

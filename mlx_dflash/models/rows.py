@@ -1,7 +1,8 @@
 """Row padding: run a forward's dense layers at a row count the matmul library does well.
 
 On the CPU backend MLX hands float32 matmuls to BLAS, whose cost is far from monotone in the
-row count M. Measured with OpenBLAS on the 2-core x86 machine the project runs CI on, all of
+row count M (quantized and half-precision weights run MLX's own kernels, which are, so they
+are never padded). Measured with OpenBLAS on the 2-core x86 machine the project runs CI on, all of
 SmolLM2-135M's dense weights (30 layers and the LM head) take 61 ms at M=1, 100 at M=4, 146 at
 M=12, and 82 at M=16: a 12-token verify cost 213 ms where a 16-token one cost 137. Zero rows
 appended to the hidden states make the feed-forward layers and the LM head run at the cheaper
@@ -23,6 +24,7 @@ import os
 import time
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ..paths import cache_root, profile_key
 from ..progress import progress
@@ -91,7 +93,7 @@ class RowPadding:
         DFLASH_MLX_ROW_PADDING says: "0" none, a number k up to multiples of k, unset (or
         "auto") the measured table, cached, else measured (seconds, once per model and
         machine)."""
-        if mx.metal.is_available() or target.stage is not None:
+        if mx.metal.is_available() or target.stage is not None or not _blas_weights(target):
             return None
         setting = os.environ.get("DFLASH_MLX_ROW_PADDING", "auto")
         if setting == "0":
@@ -110,6 +112,15 @@ class RowPadding:
         except OSError:
             pass  # a read-only cache: measured again next time, nothing lost
         return padding
+
+
+def _blas_weights(target) -> bool:
+    """Whether the dense layers are float32 matmuls, the ones MLX hands to BLAS. Quantized and
+    half-precision weights run MLX's own CPU kernels, whose cost grows with every row (4-bit,
+    576x1536 x 30: 30 ms at 1 row, 119 at 4, 552 at 16): padding would only add rows."""
+    if any(isinstance(m, nn.QuantizedLinear) for _, m in target.model.named_modules()):
+        return False
+    return target.inner.embed_tokens.weight.dtype == mx.float32
 
 
 def _same(x: mx.array) -> mx.array:
