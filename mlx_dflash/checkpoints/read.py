@@ -223,8 +223,10 @@ def drafter_weight_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
                 shapes[f"{p}{conv}.base_kernel"] = (2, k, h)
                 shapes[f"{p}{conv}.kernel_projection.weight"] = (2 * k * groups, h)
     if cfg.kind == "dflash2":
+        vocab = cfg.vocab_size
+        assert vocab is not None  # DrafterConfig.from_dict refuses a DFlash 2 config without it
         for name in CODEBOOKS:
-            shapes[name] = (cfg.vocab_size, cfg.selector_rank)
+            shapes[name] = (vocab, cfg.selector_rank)
         shapes["candidate_selector.hidden_projection.weight"] = (cfg.selector_rank, h)
     return shapes
 
