@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import time
 
+import mlx_dflash  # noqa: F401  (first: OpenBLAS must load before mlx)
+
+# isort: split
 import mlx.core as mx
 import numpy as np
 from mlx_lm import load
 from mlx_lm.models.cache import BatchKVCache
 
-import mlx_dflash  # noqa: F401  (first: OpenBLAS must load before mlx)
 from mlx_dflash.models.packed import Pass
 from mlx_dflash.models.target import load_target
 
