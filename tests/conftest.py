@@ -79,13 +79,14 @@ def no_hub(monkeypatch):
 
 @pytest.fixture(scope="session", autouse=True)
 def session_environment(tmp_path_factory):
-    """Before any fixture loads a model (module-scoped ones included): caches in one folder
-    per test session, never the user's ~/.cache, and every loaded target's forwards padded to
-    multiples of 16 rows (models/rows.py): deterministic, unlike a measured table, so every
-    exactness test runs padded. A variable set outside the tests wins."""
+    """Before any fixture loads a model (module-scoped ones included): caches (verify
+    profiles, padding tables, kernel verdicts) in one folder per test session, never the
+    user's ~/.cache, and every loaded target's forwards padded to multiples of 16 rows
+    (models/rows.py): deterministic, unlike a measured table, so every exactness test runs
+    padded. A variable set outside the tests wins; a test may set its own."""
     patch = pytest.MonkeyPatch()
     if "DFLASH_MLX_CACHE" not in os.environ:
-        patch.setenv("DFLASH_MLX_CACHE", str(_session_cache(tmp_path_factory)))
+        patch.setenv("DFLASH_MLX_CACHE", str(tmp_path_factory.mktemp("dflash-cache")))
     if "DFLASH_MLX_ROW_PADDING" not in os.environ:
         patch.setenv("DFLASH_MLX_ROW_PADDING", "16")
     yield
@@ -93,20 +94,8 @@ def session_environment(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def isolated_cache(monkeypatch, tmp_path_factory):
-    """Caches (verify profiles, kernel verdicts) go to one folder per test session, never to
-    the user's ~/.cache; a test that sets DFLASH_MLX_CACHE itself wins."""
+def isolated_cache():
+    """Every test starts without the kernel verdicts an earlier one left in memory."""
     from mlx_dflash.kernels import self_check as kernel_check
 
-    if "DFLASH_MLX_CACHE" not in os.environ:
-        monkeypatch.setenv("DFLASH_MLX_CACHE", str(_session_cache(tmp_path_factory)))
     kernel_check.forget()
-
-
-_SESSION_CACHE: list[Path] = []
-
-
-def _session_cache(tmp_path_factory) -> Path:
-    if not _SESSION_CACHE:
-        _SESSION_CACHE.append(tmp_path_factory.mktemp("dflash-cache"))
-    return _SESSION_CACHE[0]

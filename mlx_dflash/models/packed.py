@@ -130,7 +130,7 @@ def _outputs(target, h: mx.array, rows: list[_Row], tapped: dict[int, mx.array])
     if picks:
         picked = mx.concatenate(picks, axis=1)
         k = picked.shape[1]
-        logits = target.output_logits(target.inner.norm(pad_rows(picked, target.rows(k))))[0, :k]
+        logits = target.head(pad_rows(picked, target.rows(k)), "all", real=k)
     out, at = [], 0
     for r, n in zip(rows, sizes, strict=True):
         row_logits = None if n == 0 or logits is None else logits[at : at + n]

@@ -1,15 +1,16 @@
 """Row padding: run a forward's dense layers at a row count the matmul library does well.
 
 On the CPU backend MLX hands float32 matmuls to BLAS, whose cost is far from monotone in the
-row count M (quantized and half-precision weights run MLX's own kernels, which are, so they
-are never padded). Measured with OpenBLAS on the 2-core x86 machine the project runs CI on, all of
-SmolLM2-135M's dense weights (30 layers and the LM head) take 61 ms at M=1, 100 at M=4, 146 at
-M=12, and 82 at M=16: a 12-token verify cost 213 ms where a 16-token one cost 137. Zero rows
-appended to the hidden states make the feed-forward layers and the LM head run at the cheaper
-M (and attention's projections: models/attention.py); what reads a cache (attention itself,
-Gated DeltaNet, MLA) sees only the real rows, so caches, positions and masks are untouched, and a real row's values are what they would be without
-padding up to the summation order of a different matmul kernel (the rounding a verify of T
-tokens already has against decoding one at a time).
+row count M. Measured with OpenBLAS on the 2-core x86 machine the project runs CI on, matrices
+of SmolLM2-135M's dense weight shapes (30 layers and the LM head) take 61 ms at M=1, 100 at
+M=4, 146 at M=12 and 82 at M=16: a 12-token verify cost 213 ms where a 16-token one cost 137.
+Zero rows appended to the hidden states make the feed-forward layers, attention's projections
+(models/attention.py) and the LM head run at the cheaper M; what reads a cache (attention
+itself, Gated DeltaNet, MLA) sees only the real rows, so caches, positions and masks are
+untouched, and a real row's values are what they would be without padding up to the
+summation order of another matmul kernel (the rounding a verify of T tokens already has
+against decoding one at a time). Quantized and half-precision weights run MLX's own kernels,
+whose cost grows with every row: they are never padded.
 
 The table (for each row count up to MAX_ROWS, the count to run at) is measured once per model
 and machine and cached beside the verify profile; Metal needs none (its kernels do not fall off
