@@ -21,12 +21,16 @@ def cache_root() -> Path:
 
 def profile_key(target) -> str:
     """The name of what is measured once per model and machine (verify profile, row padding):
-    the model's config, the CPU architecture, GPU or CPU, and how many machines share it."""
+    the model's config, the CPU architecture, GPU or CPU, how many machines share it, and
+    whether numpy computes the exponentials (kernels/cpu_math.py: it changes every cost)."""
     import mlx.core as mx
+
+    from .kernels import cpu_math
 
     device = "gpu" if mx.metal.is_available() else "cpu"
     ident = json.dumps(target.config, sort_keys=True, default=str)
     h = hashlib.sha1(ident.encode()).hexdigest()[:12]
     size = target.world.size
     shards = f"-tp{size}" if size > 1 else ""
-    return f"{target.model_type}-{h}-{platform.machine()}-{device}{shards}"
+    numpy = "-np" if cpu_math.enabled() else ""
+    return f"{target.model_type}-{h}-{platform.machine()}-{device}{shards}{numpy}"

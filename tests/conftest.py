@@ -81,14 +81,18 @@ def no_hub(monkeypatch):
 def session_environment(tmp_path_factory):
     """Before any fixture loads a model (module-scoped ones included): caches (verify
     profiles, padding tables, kernel verdicts) in one folder per test session, never the
-    user's ~/.cache, and every loaded target's forwards padded to multiples of 16 rows
+    user's ~/.cache, every loaded target's forwards padded to multiples of 16 rows
     (models/rows.py): deterministic, unlike a measured table, so every exactness test runs
-    padded. A variable set outside the tests wins; a test may set its own."""
+    padded, and every float32 exponential of a forward through numpy at any size
+    (kernels/cpu_math.py), so every exactness test runs through it too. A variable set
+    outside the tests wins; a test may set its own."""
     patch = pytest.MonkeyPatch()
     if "DFLASH_MLX_CACHE" not in os.environ:
         patch.setenv("DFLASH_MLX_CACHE", str(tmp_path_factory.mktemp("dflash-cache")))
     if "DFLASH_MLX_ROW_PADDING" not in os.environ:
         patch.setenv("DFLASH_MLX_ROW_PADDING", "16")
+    if "DFLASH_MLX_NUMPY_MATH" not in os.environ:
+        patch.setenv("DFLASH_MLX_NUMPY_MATH", "1")
     yield
     patch.undo()
 

@@ -38,6 +38,7 @@ def report() -> dict[str, str]:
     import mlx.core as mx
 
     from .. import _blas
+    from ..kernels import cpu_math
     from ..kernels.gated_delta import gdn_backend
     from ..kernels.tree_attention import attention_backend
 
@@ -58,6 +59,7 @@ def report() -> dict[str, str]:
         "float32 matmul": f"{matmul_gflops():.1f} GFLOP/s (1024x1024)",
         "tree attention": attention_backend(),
         "gated deltanet": gdn_backend(),
+        "exponentials": cpu_math.describe(),
     }
 
 

@@ -23,6 +23,8 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from ..engine.contract import Proposal
 from ..errors import DFlashError
+from ..kernels import cpu_math
+from ..kernels.cpu_attention import cpu_attention, use_cpu_attention
 from .cache import ContextCache
 from .dflash2 import CandidateSelector, GroupedDynamicConv
 from .drafter_config import DrafterConfig
@@ -84,9 +86,12 @@ class DrafterAttention(nn.Module):
         q = self.rope(q, offset=start)
         keys, values = cache.extend(*self.project_kv(x, start))
         sinks = getattr(self, "attention_sink_bias", None)
-        out = mx.fast.scaled_dot_product_attention(
-            q, keys, values, scale=self.scale, mask=mask, sinks=sinks
-        )
+        if sinks is None and keys.shape[-1] == values.shape[-1] and use_cpu_attention():
+            out = cpu_attention(q, keys, values, self.scale, mask)  # as the target's: exp is slow
+        else:
+            out = mx.fast.scaled_dot_product_attention(
+                q, keys, values, scale=self.scale, mask=mask, sinks=sinks
+            )
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, L, -1))
 
 
@@ -100,6 +105,11 @@ class DrafterMLP(nn.Module):
     def __call__(self, x):
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
+    def infer(self, x):
+        """The same function, its product's exponentials through kernels/cpu_math.py (numpy on
+        x86 CPUs). Drafting only: numpy breaks the gradient tape training runs __call__ under."""
+        return self.down_proj(cpu_math.silu_mul(self.gate_proj(x), self.up_proj(x)))
+
 
 class DrafterLayer(nn.Module):
     def __init__(self, cfg: DrafterConfig):
@@ -111,7 +121,7 @@ class DrafterLayer(nn.Module):
 
     def __call__(self, h: mx.array, cache: ContextCache, start: int, mask) -> mx.array:
         h = h + self.self_attn(self.input_layernorm(h), cache, start, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + self.mlp.infer(self.post_attention_layernorm(h))
 
 
 class DFlash2Layer(DrafterLayer):
@@ -127,7 +137,7 @@ class DFlash2Layer(DrafterLayer):
         x, d = self.attention_conv.prepare(self.input_layernorm(h))
         h = h + self.attention_conv.finish(self.self_attn(x, cache, start, mask), d)
         x, d = self.mlp_conv.prepare(self.post_attention_layernorm(h))
-        return h + self.mlp_conv.finish(self.mlp(x), d)
+        return h + self.mlp_conv.finish(self.mlp.infer(x), d)
 
 
 class DFlashDrafter(nn.Module):

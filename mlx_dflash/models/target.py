@@ -21,6 +21,7 @@ import numpy as np
 from ..checkpoints.read import is_drafter_config, read_config, text_config
 from ..distributed import LOCAL, LocalWorld, World
 from ..errors import DFlashError
+from ..kernels import cpu_math
 from ..kernels.tree_attention import tree_depths
 from .arena import KVArena
 from .attention import AttentionSpec, attention
@@ -32,13 +33,29 @@ from .mla import is_mla, mla_attention
 from .packed import forward_packed
 from .rows import RowPadding, on_real_rows, pad_rows
 
+# mlx-lm's MLP classes that compute down_proj(swiglu(gate_proj(x), up_proj(x))) (Mistral's
+# checkpoints load as llama).
+SWIGLU_MLPS = ("mlx_lm.models.llama.MLP", "mlx_lm.models.qwen2.MLP", "mlx_lm.models.qwen3.MLP")
+
 
 def prenorm_block(layer, h, mix):
     """The common decoder layer: pre-norm attention and MLP (or MoE), each added back.
     `mix` runs the layer's token mixer (attention, Gated DeltaNet, MLA) under verification."""
     h = h + mix(layer.input_layernorm(h))
     ffn = layer.mlp if "mlp" in layer else layer.block_sparse_moe  # MiniMax names its MoE so
-    return h + ffn(layer.post_attention_layernorm(h))
+    return h + feed_forward(ffn, layer.post_attention_layernorm(h))
+
+
+def feed_forward(ffn, x: mx.array) -> mx.array:
+    """The layer's MLP or MoE over x. mlx-lm's SwiGLU MLPs compute the same function with the
+    product's exponentials in numpy where MLX's CPU backend is slow at them (kernels/cpu_math.py:
+    at a 16-token verify, most of the MLP's cost on x86)."""
+    name = f"{type(ffn).__module__}.{type(ffn).__qualname__}"
+    if name in SWIGLU_MLPS and cpu_math.applies(
+        x.size // x.shape[-1] * ffn.gate_proj.weight.shape[0], x.dtype
+    ):
+        return ffn.down_proj(cpu_math.silu_mul(ffn.gate_proj(x), ffn.up_proj(x)))
+    return ffn(x)
 
 
 def sandwich_block(layer, h, mix):
