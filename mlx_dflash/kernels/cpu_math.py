@@ -42,19 +42,21 @@ def setting() -> str:
     return value
 
 
-def enabled() -> bool:
+def enabled(value: str | None = None) -> bool:
     """Whether this process computes large exponentials through numpy (see the module doc)."""
-    value = setting()
+    value = setting() if value is None else value
     if value == "0" or (mx.metal.is_available() and mx.default_device() != mx.cpu):
         return False
     return value == "1" or platform.machine().lower() not in _ARM
 
 
 def applies(values: int, dtype: mx.Dtype) -> bool:
-    """Whether `values` exponentials in `dtype` go through numpy here."""
-    if dtype != mx.float32 or not enabled():
+    """Whether `values` exponentials in `dtype` go through numpy here (asked several times a
+    layer, so the setting is read once)."""
+    if dtype != mx.float32:
         return False
-    return values >= MIN_VALUES or setting() == "1"
+    value = setting()
+    return enabled(value) and (values >= MIN_VALUES or value == "1")
 
 
 def describe() -> str:
