@@ -14,7 +14,6 @@ numpy computes the softmax's exponentials instead (kernels/cpu_math.py), ~2.5x f
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 
 from . import cpu_math
 
@@ -33,7 +32,8 @@ def use_cpu_attention() -> bool:
 def cpu_attention(
     q: mx.array, k: mx.array, v: mx.array, scale: float, mask: str | mx.array | None = None
 ) -> mx.array:
-    """scaled_dot_product_attention(q, k, v, scale, mask) with a base-2 softmax.
+    """scaled_dot_product_attention(q, k, v, scale, mask) with a base-2 softmax (numpy's exp
+    from cpu_math.MIN_VALUES scores on x86).
 
     q (B, Hq, T, D); k, v (B, Hkv, S, D) with Hq a multiple of Hkv; mask None, "causal" (the T
     queries are the last T positions) or a boolean (T, S) array, True where attention is allowed.
@@ -42,9 +42,9 @@ def cpu_attention(
     n_kv, s_len = k.shape[1], k.shape[2]
     rep = n_q // n_kv
     blocked = mask == "causal" and t >= BLOCKED_MIN_QUERIES and s_len > 2 * KEY_BLOCK
-    if not blocked and cpu_math.applies(b * n_q * t * s_len, q.dtype):
-        return _numpy_softmax_attention(q, k, v, scale, mask)
-    qg = (q * (scale * LOG2E)).reshape(b, n_kv, rep * t, d)
+    # numpy's exponentials (kernels/cpu_math.py) take natural-base scores; MLX's base-2 ones
+    on_numpy = not blocked and cpu_math.applies(b * n_q * t * s_len, q.dtype)
+    qg = (q * (scale if on_numpy else scale * LOG2E)).reshape(b, n_kv, rep * t, d)
     if blocked:
         out = _blocked_causal(qg, k, v, rep, t)
         return out.reshape(b, n_q, t, v.shape[-1]).astype(q.dtype)
@@ -53,25 +53,13 @@ def cpu_attention(
         if mask != "causal":
             raise ValueError(f"unknown mask {mask!r}")
         mask = mx.arange(s_len)[None, :] <= (mx.arange(t) + (s_len - t))[:, None] if t > 1 else None
+    if on_numpy:
+        out = cpu_math.softmax(s.astype(mx.float32), mask, rep) @ v
+        return out.reshape(b, n_q, t, v.shape[-1]).astype(q.dtype)
     if mask is not None:
         s = mx.where(mask, s.reshape(b, n_kv, rep, t, s_len), -mx.inf).reshape(s.shape)
     p = mx.power(2.0, s - s.max(axis=-1, keepdims=True))
     out = (p @ v) / p.sum(axis=-1, keepdims=True)
-    return out.reshape(b, n_q, t, v.shape[-1]).astype(q.dtype)
-
-
-def _numpy_softmax_attention(q, k, v, scale: float, mask) -> mx.array:
-    """cpu_attention with the softmax's exponentials in numpy (kernels/cpu_math.py): the
-    score and value matmuls stay MLX's."""
-    b, n_q, t, d = q.shape
-    n_kv, s_len = k.shape[1], k.shape[2]
-    rep = n_q // n_kv
-    s = (q * scale).reshape(b, n_kv, rep * t, d) @ k.swapaxes(-1, -2)
-    if isinstance(mask, str):
-        if mask != "causal":
-            raise ValueError(f"unknown mask {mask!r}")
-        mask = np.arange(s_len)[None, :] <= (np.arange(t) + (s_len - t))[:, None] if t > 1 else None
-    out = cpu_math.softmax(s.astype(mx.float32), mask, rep) @ v
     return out.reshape(b, n_q, t, v.shape[-1]).astype(q.dtype)
 
 
