@@ -153,6 +153,10 @@ class LocalWorld:
 LOCAL = LocalWorld()
 
 
+# How MLX's distributed backends begin the messages of the errors a lost peer raises.
+BACKEND_ERRORS = ("[ring]", "[mpi]", "[jaccl]", "[nccl]")
+
+
 def launched() -> bool:
     return any(os.environ.get(k) is not None for k in LAUNCH_ENV)
 
@@ -182,6 +186,20 @@ def _install_failure_handling(world: World) -> None:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_term)
+
+    # A rank that dies mid-collective can also surface here as an exception from MLX's
+    # communication backend ("[ring] connection to a peer was lost") at whichever evaluation
+    # happens to wait on it, before mlx.launch's SIGTERM arrives: the same sentence, not a
+    # traceback.
+    previous_hook = sys.excepthook
+
+    def on_uncaught(kind, exc, tb):
+        if issubclass(kind, RuntimeError) and str(exc).startswith(BACKEND_ERRORS):
+            _die(world, "another rank stopped, so this one stops too (see the launcher's log).")
+        else:
+            previous_hook(kind, exc, tb)
+
+    sys.excepthook = on_uncaught
 
     def watchdog():
         while True:

@@ -141,11 +141,35 @@ def test_watchdog_ends_a_hang(monkeypatch):
     import time
 
     monkeypatch.setattr(distributed.signal, "signal", lambda *a: None)
+    monkeypatch.setattr(distributed.sys, "excepthook", distributed.sys.excepthook)
     distributed._install_failure_handling(world)
     deadline = time.time() + 5
     while not died and time.time() < deadline:
         time.sleep(0.05)
     assert died == [1]  # once: the watchdog stops after firing
+
+
+def test_a_lost_peer_raised_as_an_error_ends_in_the_sentence(monkeypatch, capsys):
+    """MLX's ring backend may raise at whichever evaluation waits on a dead rank, before
+    mlx.launch's SIGTERM: the same sentence, no traceback; other errors keep theirs."""
+    import sys
+
+    from mlx_dflash import distributed
+
+    died, passed = [], []
+    monkeypatch.setattr(distributed.os, "_exit", lambda code: died.append(code))
+    monkeypatch.setattr(distributed.signal, "signal", lambda *a: None)
+    monkeypatch.setattr(
+        distributed.threading, "Thread", lambda **kw: type("T", (), {"start": lambda self: None})()
+    )
+    monkeypatch.setattr(sys, "excepthook", lambda *a: passed.append(a[0]))
+    distributed._install_failure_handling(distributed.World(None, 0, 2, timeout=60))
+    sys.excepthook(RuntimeError, RuntimeError("[ring] connection to a peer was lost"), None)
+    assert died == [1] and passed == []
+    assert "error: rank 0 of 2: another rank stopped" in capsys.readouterr().err
+    sys.excepthook(RuntimeError, RuntimeError("[metal] out of memory"), None)
+    sys.excepthook(ValueError, ValueError("[ring] not this one"), None)
+    assert died == [1] and passed == [RuntimeError, ValueError]
 
 
 def test_chat_runs_sharded_with_rank_0_doing_the_io(tmp_path):
