@@ -12,7 +12,7 @@ from oracle import OracleDrafter, diversify
 from test_engine import mlx_lm_greedy, run
 from test_sampling import V, chi2_pvalue, exact_marginals
 
-from mlx_dflash.engine import GenerationConfig, Session
+from mlx_dflash.engine import GenerationConfig, Session, generate_rounds
 from mlx_dflash.engine import lookup as lookup_mod
 from mlx_dflash.engine.lookup import LookupStats, PromptLookup
 from mlx_dflash.engine.sampling import SamplingParams
@@ -117,6 +117,39 @@ def test_ddtree_with_lookup_is_exact(target, budget):
     assert out == ref and np.mean(taus) > 1.3 and max(taus) > 2
 
 
+def test_a_paused_drafter_leaves_lookup_branches_running(target, monkeypatch, tmp_path):
+    """`--budget auto` pauses the drafter while it loses; lookup branches cost no drafter pass,
+    so they go on through the pause (on the 0.5B coder, losing them in pauses put DDTree +
+    lookup 5-16% behind lookup alone). Here the drafter never runs and every branch found is
+    worth a verify: lookup trees are verified, the output stays exact, and the pacer hears
+    each round as what not drafting earns."""
+    from mlx_dflash.engine.budget import Pacer
+
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    monkeypatch.setattr(lookup_mod, "MIN_NGRAM", 1)  # a branch after almost every token
+    monkeypatch.setattr(LookupStats, "expected", lambda self, length: float(length))
+    monkeypatch.setattr(Pacer, "draft_now", lambda self: False)
+    heard = []
+    real = Pacer.record_plain
+
+    def record(self, seconds, tokens=1):
+        heard.append(tokens)
+        real(self, seconds, tokens)
+
+    monkeypatch.setattr(Pacer, "record_plain", record)
+    ref = mlx_lm_greedy(target, PROMPT, N)
+    target.set_taps([1, 3])
+    oracle = OracleDrafter(PROMPT + ref, target.vocab_size, block_size=8, corrupt=0.3, seed=4)
+    oracle.propose = None  # a drafter pass fails the test
+    cfg = GenerationConfig(max_tokens=N, mode="ddtree", budget="auto", lookup=8)
+    every = list(generate_rounds(Session(target, oracle), PROMPT, cfg))
+    assert [t for r in every for t in r.tokens] == ref
+    rounds = [r for r in every if not r.prefill]
+    assert sum(r.drafted > 0 for r in rounds) >= 5, "lookup stopped in the pause"
+    # (every round but a last one with room for no draft, which is a plain step outside it)
+    assert heard == [len(r.tokens) for r in rounds][: len(heard)] and len(heard) >= len(rounds) - 1
+
+
 def test_lookup_never_verifies_past_max_tokens(target):
     ref = mlx_lm_greedy(target, PROMPT, N)
     for n in (1, 2, 3, 5, 9):
@@ -167,8 +200,8 @@ def test_rounds_index_exactly_the_text_so_far(target, monkeypatch):
     checked = []
     real = DDTree._lookup_chains
 
-    def checking(self, tree, last, room):
-        chains = real(self, tree, last, room)
+    def checking(self, tree, last, room, drafting):
+        chains = real(self, tree, last, room, drafting)
         assert self.lookup.tokens == [*self.session.tokens, last]
         checked.append(1)
         return chains

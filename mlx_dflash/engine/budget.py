@@ -201,9 +201,13 @@ class Pacer:
             return (tokens, seconds)
         return ((1 - a) * old[0] + a * tokens, (1 - a) * old[1] + a * seconds)
 
-    def record_plain(self, seconds: float) -> None:
+    def record_plain(self, seconds: float, tokens: int = 1) -> None:
+        """A round without the drafter: a plain step, or in a pause a round of lookup
+        branches or a grammar's certain run; drafting must beat these to go on."""
         # A plain step always yields one token: its time is not noisy enough to need ALPHA.
-        self.plain = self._ema(self.plain, 1.0, seconds, self.PROBE_ALPHA)
+        # A lookup round's accepted length is, like a tree round's.
+        a = self.PROBE_ALPHA if tokens == 1 else self.ALPHA
+        self.plain = self._ema(self.plain, float(tokens), seconds, a)
 
     def record_tree(self, tokens: int, seconds: float) -> None:
         a = self.PROBE_ALPHA if self.probing else self.ALPHA
@@ -232,7 +236,7 @@ class FixedBudget:
     def cut_lookup(self, tree: Tree, chains: list[list[int]], lookup_stats, drafted: bool):
         return chains
 
-    def record_plain(self, seconds: float) -> None:
+    def record_plain(self, seconds: float, tokens: int = 1, size: int = 1) -> None:
         pass
 
     def record_tree(
@@ -320,10 +324,11 @@ class AutoBudget:
                 best, best_rate = length, rate
         return [c[:best] for c in chains] if best else []
 
-    def record_plain(self, seconds: float) -> None:
+    def record_plain(self, seconds: float, tokens: int = 1, size: int = 1) -> None:
+        """A round without the drafter that emitted `tokens` from a verify of `size`."""
         if self.batch is not None:  # its wall time is the whole batch's: count its share
-            seconds = float(self.costs().cost(1))
-        self.pacer.record_plain(seconds)
+            seconds = float(self.costs().cost(size))
+        self.pacer.record_plain(seconds, tokens)
 
     def record_tree(
         self, tree: Tree, n_drafted: int, path: list[int], emitted: int, t_fixed: float, t: float

@@ -92,8 +92,10 @@ class DDTree:
             self.lookup_stats.record(chain, out)
         t3 = time.perf_counter()
         drafted = n_drafted if self.drafter is not None else 0
-        if drafting:  # a certain run alone (auto's pause) says nothing of the drafter
+        if drafting:
             policy.record_tree(tree, drafted, path, len(out), (t1 - t0) + (t3 - t2), t3 - t0)
+        else:  # a pause's round (lookup branches, a certain run): what not drafting earns
+            policy.record_plain(t3 - t0, len(out), len(tree.tokens))
         certain = tree.is_certain()
         return Round(
             out,
@@ -112,19 +114,20 @@ class DDTree:
     def _draft(self, last: int, start: int, n: int, room: int, drafting: bool = True):
         """(tree, how many of its nodes the drafter made, lookup chains grafted, build time,
         nodes the grammar pruned), agreed over the ranks of a sharded target. Not `drafting`
-        (auto's pause), only a grammar's certain run is drafted."""
+        (auto's pause), the drafter does not run: a grammar's certain run and (with a drafter
+        loaded) lookup branches still do."""
         tree, t_build, pruned, grammar = root_only(last), 0.0, 0, self.grammar
         limit = min(room, self.policy.max_budget)
-        if not drafting:
-            if grammar is not None:
-                tree = with_certain_run(tree, grammar, limit)
-            return _agree_tree(self.session, tree, 1)[0], 1, [], 0.0, 0
-        if self.drafter is not None:
+        if drafting and self.drafter is not None:
             tree, t_build, pruned = self._drafter_tree(self.drafter, last, start, n, room)
         elif grammar is not None:
             tree = with_certain_run(tree, grammar, limit)
         n_drafted = len(tree.tokens)
-        chains = self._lookup_chains(tree, last, room) if self.lookup is not None else []
+        # Lookup branches cost no drafter pass: a pause stops the drafter, not them (their own
+        # measured acceptance cuts them). Only in --mode lookup, where they are all the round
+        # drafts, does a pause stop them too.
+        looking = self.lookup is not None and (drafting or self.drafter is not None)
+        chains = self._lookup_chains(tree, last, room, drafting) if looking else []
         tree = graft(tree, chains)
         if chains and grammar is not None:
             tree, cut = prune_tree(tree, grammar)
@@ -162,7 +165,7 @@ class DDTree:
         tree, pruned = grammar_tree(last, cand_tok, cand_lp, max_b, grammar, room, self.branching)
         return self.policy.cut(tree), t_build, pruned
 
-    def _lookup_chains(self, tree: Tree, last: int, room: int) -> list[list[int]]:
+    def _lookup_chains(self, tree: Tree, last: int, room: int, drafting: bool) -> list[list[int]]:
         """This round's lookup branches, as the budget policy cuts them."""
         # The index holds session.tokens + [last] as of the last round: its last token is the
         # old `last`, now in session.tokens, so only the tokens after it are new.
@@ -170,7 +173,7 @@ class DDTree:
         assert lookup is not None
         lookup.extend([*self.session.tokens[len(lookup.tokens) :], last])
         chains = lookup.branches(min(self.lookup_len, room))
-        drafted = self.drafter is not None
+        drafted = drafting and self.drafter is not None
         return self.policy.cut_lookup(tree, chains, self.lookup_stats, drafted)
 
     def _verify(self, tree: Tree, start: int):
