@@ -211,6 +211,32 @@ def test_auto_budget_calibration_shrinks_trees_of_an_overconfident_drafter():
     assert choose_budget(tree, prof, t_fixed=0.5, calibration=0.2) == 0
 
 
+def test_a_confident_lookup_branch_skips_the_drafter_pass():
+    """A round whose lookup branch is likely to land verifies it without a drafter pass (the
+    pass and its nodes would earn only where the branch fails at once); a doubtful branch, or
+    a drafter not yet measured, keeps the pass."""
+    from mlx_dflash.engine.budget import AutoBudget, VerifyProfile
+    from mlx_dflash.engine.lookup import LookupStats
+    from mlx_dflash.engine.tree import root_only
+
+    policy = AutoBudget(VerifyProfile([1, 2, 16, 64], [1.0, 1.2, 1.6, 4.0]))
+    tree = build_tree(0, np.array([[5, 6]] * 8), np.log(np.array([[0.6, 0.2]] * 8)), 8)
+    chains = [[7, 8, 9, 10, 11, 12]]
+    sure, doubtful = LookupStats(), LookupStats()
+    sure.hits, sure.misses = 19.0, 1.0  # r = 0.95
+    doubtful.hits, doubtful.misses = 1.0, 4.0  # r = 0.2
+    root = root_only(0)
+    for i in range(6):
+        # the drafter: a 0.1 s pass, 8 nodes, 1.5 extra tokens a round
+        if i < 4:
+            assert not policy.lookup_suffices(root, chains, sure), "skipped before measuring"
+        path = [0, 1] + ([2] if i % 2 else [])
+        policy.record_tree(tree, 9, path, len(path), 0.12, 1.9, t_draft=0.1)
+    assert policy.lookup_suffices(root, chains, sure)
+    assert not policy.lookup_suffices(root, chains, doubtful)
+    assert not policy.lookup_suffices(root, [], sure)
+
+
 def run_with_scripted_pauses(target, taps, pattern, monkeypatch, tmp_path):
     """`--budget auto` with the pacer's draft/pause decisions scripted by pattern ("T" drafts).
 

@@ -150,6 +150,27 @@ def test_a_paused_drafter_leaves_lookup_branches_running(target, monkeypatch, tm
     assert heard == [len(r.tokens) for r in rounds][: len(heard)] and len(heard) >= len(rounds) - 1
 
 
+def test_rounds_that_skip_the_drafter_for_lookup_stay_exact(target, monkeypatch, tmp_path):
+    """Rounds where the policy finds the lookup branches enough run no drafter pass (and the
+    drafter still gets their context); with every other round skipping, output is exact."""
+    from mlx_dflash.engine.budget import AutoBudget
+
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    monkeypatch.setattr(lookup_mod, "MIN_NGRAM", 1)
+    flips = itertools.cycle([True, False])
+    monkeypatch.setattr(AutoBudget, "lookup_suffices", lambda self, *a: next(flips))
+    ref = mlx_lm_greedy(target, PROMPT, N)
+    target.set_taps([1, 3])
+    oracle = OracleDrafter(PROMPT + ref, target.vocab_size, block_size=8, corrupt=0.3, seed=4)
+    passes = []
+    real = oracle.propose
+    oracle.propose = lambda *a: passes.append(1) or real(*a)
+    kw = dict(max_tokens=N, mode="ddtree", budget="auto", lookup=8)
+    out, taus = run(Session(target, oracle), PROMPT, **kw)
+    assert out == ref and max(taus) > 2
+    assert 0 < len(passes) < len(taus)
+
+
 def test_lookup_never_verifies_past_max_tokens(target):
     ref = mlx_lm_greedy(target, PROMPT, N)
     for n in (1, 2, 3, 5, 9):

@@ -56,10 +56,14 @@ class DDTree:
         `room` (the tokens max_tokens still allows after the bonus)."""
         session, policy = self.session, self.policy
         # rank 0's clock decides for all ranks; a grammar's certain run is always worth a verify
-        drafting = bool(session.agree([policy.draft_now()])[0])
+        want = policy.draft_now()
+        agreed = session.agree([want, want and self._lookup_suffices(last, room)])
+        drafting = bool(agreed[0]) and not agreed[1]
         start = len(session.tokens)
         t0 = time.perf_counter()
-        tree, n_drafted, chains, t_build, pruned = self._draft(last, start, n, room, drafting)
+        tree, n_drafted, chains, t_build, pruned, t_pass = self._draft(
+            last, start, n, room, drafting
+        )
         if len(tree.tokens) == 1:  # nothing to verify: a plain step
             t_draft = time.perf_counter() - t0
             rnd = self._plain(last, rng)
@@ -93,7 +97,8 @@ class DDTree:
         t3 = time.perf_counter()
         drafted = n_drafted if self.drafter is not None else 0
         if drafting:
-            policy.record_tree(tree, drafted, path, len(out), (t1 - t0) + (t3 - t2), t3 - t0)
+            t_fixed = (t1 - t0) + (t3 - t2)
+            policy.record_tree(tree, drafted, path, len(out), t_fixed, t3 - t0, t_pass)
         else:  # a pause's round (lookup branches, a certain run): what not drafting earns
             policy.record_plain(t3 - t0, len(out), len(tree.tokens))
         certain = tree.is_certain()
@@ -113,16 +118,17 @@ class DDTree:
 
     def _draft(self, last: int, start: int, n: int, room: int, drafting: bool = True):
         """(tree, how many of its nodes the drafter made, lookup chains grafted, build time,
-        nodes the grammar pruned), agreed over the ranks of a sharded target. Not `drafting`
+        nodes the grammar pruned, seconds in the drafter's pass and tree), agreed over the ranks of a sharded target. Not `drafting`
         (auto's pause), the drafter does not run: a grammar's certain run and (with a drafter
         loaded) lookup branches still do."""
         tree, t_build, pruned, grammar = root_only(last), 0.0, 0, self.grammar
         limit = min(room, self.policy.max_budget)
+        t_pass = time.perf_counter()
         if drafting and self.drafter is not None:
             tree, t_build, pruned = self._drafter_tree(self.drafter, last, start, n, room)
         elif grammar is not None:
             tree = with_certain_run(tree, grammar, limit)
-        n_drafted = len(tree.tokens)
+        n_drafted, t_pass = len(tree.tokens), time.perf_counter() - t_pass
         # Lookup branches cost no drafter pass: a pause stops the drafter, not them (their own
         # measured acceptance cuts them). Only in --mode lookup, where they are all the round
         # drafts, does a pause stop them too.
@@ -133,7 +139,7 @@ class DDTree:
             tree, cut = prune_tree(tree, grammar)
             pruned += cut
         tree, n_drafted = _agree_tree(self.session, tree, n_drafted)
-        return tree, n_drafted, chains, t_build, pruned
+        return tree, n_drafted, chains, t_build, pruned, t_pass
 
     def _drafter_tree(
         self, drafter: Drafter, last: int, start: int, n: int, room: int
@@ -167,14 +173,29 @@ class DDTree:
 
     def _lookup_chains(self, tree: Tree, last: int, room: int, drafting: bool) -> list[list[int]]:
         """This round's lookup branches, as the budget policy cuts them."""
-        # The index holds session.tokens + [last] as of the last round: its last token is the
-        # old `last`, now in session.tokens, so only the tokens after it are new.
-        lookup = self.lookup
-        assert lookup is not None
-        lookup.extend([*self.session.tokens[len(lookup.tokens) :], last])
-        chains = lookup.branches(min(self.lookup_len, room))
+        chains = self._lookup_branches(last, room)
         drafted = drafting and self.drafter is not None
         return self.policy.cut_lookup(tree, chains, self.lookup_stats, drafted)
+
+    def _lookup_branches(self, last: int, room: int) -> list[list[int]]:
+        # The index holds session.tokens + [last] as of its last call (this round's, or the
+        # last round's, whose `last` is now in session.tokens): only what follows is new.
+        lookup, tokens = self.lookup, self.session.tokens
+        assert lookup is not None
+        done = len(lookup.tokens)
+        lookup.extend([*tokens[done:], last] if done <= len(tokens) else [])
+        return lookup.branches(min(self.lookup_len, room))
+
+    def _lookup_suffices(self, last: int, room: int) -> bool:
+        """Whether the policy would rather verify this round's lookup branches without a
+        drafter pass (budget.py: AutoBudget.lookup_suffices)."""
+        if self.drafter is None or self.lookup is None:
+            return False
+        root = root_only(last)
+        if self.grammar is not None:
+            root = with_certain_run(root, self.grammar, min(room, self.policy.max_budget))
+        chains = self._lookup_branches(last, room)
+        return bool(chains) and self.policy.lookup_suffices(root, chains, self.lookup_stats)
 
     def _verify(self, tree: Tree, start: int):
         return self.session.target.forward(
