@@ -226,15 +226,19 @@ def test_a_confident_lookup_branch_skips_the_drafter_pass():
     sure.hits, sure.misses = 19.0, 1.0  # r = 0.95
     doubtful.hits, doubtful.misses = 1.0, 4.0  # r = 0.2
     root = root_only(0)
+
+    def suffices(chains, stats):  # the branches as the round cuts them, then the decision
+        return policy.lookup_suffices(root, policy.cut_lookup(root, chains, stats, False), stats)
+
     for i in range(6):
         # the drafter: a 0.1 s pass, 8 nodes, 1.5 extra tokens a round
         if i < 4:
-            assert not policy.lookup_suffices(root, chains, sure), "skipped before measuring"
+            assert not suffices(chains, sure), "skipped before measuring"
         path = [0, 1] + ([2] if i % 2 else [])
         policy.record_tree(tree, 9, path, len(path), 0.12, 1.9, t_draft=0.1)
-    assert policy.lookup_suffices(root, chains, sure)
-    assert not policy.lookup_suffices(root, chains, doubtful)
-    assert not policy.lookup_suffices(root, [], sure)
+    assert suffices(chains, sure)
+    assert not suffices(chains, doubtful)
+    assert not suffices([], sure)
 
 
 def run_with_scripted_pauses(target, taps, pattern, monkeypatch, tmp_path):

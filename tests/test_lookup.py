@@ -132,9 +132,9 @@ def test_a_paused_drafter_leaves_lookup_branches_running(target, monkeypatch, tm
     heard = []
     real = Pacer.record_plain
 
-    def record(self, seconds, tokens=1):
+    def record(self, seconds, tokens=1, size=1):
         heard.append(tokens)
-        real(self, seconds, tokens)
+        real(self, seconds, tokens, size)
 
     monkeypatch.setattr(Pacer, "record_plain", record)
     ref = mlx_lm_greedy(target, PROMPT, N)

@@ -201,12 +201,13 @@ class Pacer:
             return (tokens, seconds)
         return ((1 - a) * old[0] + a * tokens, (1 - a) * old[1] + a * seconds)
 
-    def record_plain(self, seconds: float, tokens: int = 1) -> None:
-        """A round without the drafter: a plain step, or in a pause a round of lookup
-        branches or a grammar's certain run; drafting must beat these to go on."""
+    def record_plain(self, seconds: float, tokens: int = 1, size: int = 1) -> None:
+        """A round without the drafter that emitted `tokens` from a verify of `size`: a plain
+        step, or a round of lookup branches or a grammar's certain run; drafting must beat
+        these to go on."""
         # A plain step always yields one token: its time is not noisy enough to need ALPHA.
-        # A lookup round's accepted length is, like a tree round's.
-        a = self.PROBE_ALPHA if tokens == 1 else self.ALPHA
+        # A verify of more (lookup) is noisy like a tree round, whatever it accepted this time.
+        a = self.PROBE_ALPHA if size == 1 else self.ALPHA
         self.plain = self._ema(self.plain, float(tokens), seconds, a)
 
     def record_tree(self, tokens: int, seconds: float) -> None:
@@ -339,20 +340,18 @@ class AutoBudget:
         return [c[:best] for c in chains] if best else []
 
     def lookup_suffices(self, root: Tree, chains: list[list[int]], lookup_stats) -> bool:
-        """Whether this round's lookup branches alone beat them joined by a drafter pass.
+        """Whether this round's lookup branches (as `cut_lookup` cut them for a round without
+        the drafter) alone beat them joined by a drafter pass.
 
         The drafter adds its pass and its nodes to the verify, and earns its measured extra
         tokens only where the lookup branch fails at once (probability 1 - r): on text that
         repeats, a confident branch makes the pass a waste (copy edits on the 0.5B coder:
         lookup alone 2.24x mlx-lm, with the drafter beside it every round 1.90x).
         """
-        if self.drafted_rounds < 4 or self.batch is not None:
+        if self.drafted_rounds < 4 or self.batch is not None or not chains:
             return False
-        cut = self.cut_lookup(root, chains, lookup_stats, drafted=False)
-        if not cut:
-            return False
-        size = len(graft(root, cut).tokens)
-        got = 1.0 + lookup_stats.expected(max(len(c) for c in cut))
+        size = len(graft(root, chains).tokens)
+        got = 1.0 + lookup_stats.expected(max(len(c) for c in chains))
         # `realised` is a running mean started at 0: unbias it by the rounds it has seen.
         drafter = self.realised / (1.0 - 0.9**self.drafted_rounds)
         costs, t_other = self.costs(), max(self.t_fixed - self.t_draft, 0.0)
@@ -366,7 +365,7 @@ class AutoBudget:
         """A round without the drafter that emitted `tokens` from a verify of `size`."""
         if self.batch is not None:  # its wall time is the whole batch's: count its share
             seconds = float(self.costs().cost(size))
-        self.pacer.record_plain(seconds, tokens)
+        self.pacer.record_plain(seconds, tokens, size)
 
     def record_tree(
         self,

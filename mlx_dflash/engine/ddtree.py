@@ -57,12 +57,13 @@ class DDTree:
         session, policy = self.session, self.policy
         # rank 0's clock decides for all ranks; a grammar's certain run is always worth a verify
         want = policy.draft_now()
-        agreed = session.agree([want, want and self._lookup_suffices(last, room)])
+        alone = self._lookup_alone(last, room) if want else None
+        agreed = session.agree([want, alone is not None])
         drafting = bool(agreed[0]) and not agreed[1]
         start = len(session.tokens)
         t0 = time.perf_counter()
         tree, n_drafted, chains, t_build, pruned, t_pass = self._draft(
-            last, start, n, room, drafting
+            last, start, n, room, drafting, alone if agreed[1] else None
         )
         if len(tree.tokens) == 1:  # nothing to verify: a plain step
             t_draft = time.perf_counter() - t0
@@ -116,24 +117,35 @@ class DDTree:
             certain_accepted=int(sum(certain[i] for i in path[1:])),
         )
 
-    def _draft(self, last: int, start: int, n: int, room: int, drafting: bool = True):
+    def _draft(
+        self,
+        last: int,
+        start: int,
+        n: int,
+        room: int,
+        drafting: bool = True,
+        alone: tuple[Tree, list[list[int]]] | None = None,
+    ):
         """(tree, how many of its nodes the drafter made, lookup chains grafted, build time,
-        nodes the grammar pruned, seconds in the drafter's pass and tree), agreed over the ranks of a sharded target. Not `drafting`
-        (auto's pause), the drafter does not run: a grammar's certain run and (with a drafter
-        loaded) lookup branches still do."""
-        tree, t_build, pruned, grammar = root_only(last), 0.0, 0, self.grammar
-        limit = min(room, self.policy.max_budget)
+        nodes the grammar pruned, seconds in the drafter's pass and tree), agreed over the
+        ranks of a sharded target. Not `drafting` (auto's pause, or `alone`: the lookup-only
+        round `_lookup_alone` found), the drafter does not run: a grammar's certain run and
+        (with a drafter loaded) lookup branches still do."""
         t_pass = time.perf_counter()
-        if drafting and self.drafter is not None:
+        t_build, pruned, grammar = 0.0, 0, self.grammar
+        if alone is not None:
+            tree, chains = alone
+        elif drafting and self.drafter is not None:
             tree, t_build, pruned = self._drafter_tree(self.drafter, last, start, n, room)
-        elif grammar is not None:
-            tree = with_certain_run(tree, grammar, limit)
+        else:
+            tree = self._base_tree(last, room)
         n_drafted, t_pass = len(tree.tokens), time.perf_counter() - t_pass
         # Lookup branches cost no drafter pass: a pause stops the drafter, not them (their own
         # measured acceptance cuts them). Only in --mode lookup, where they are all the round
         # drafts, does a pause stop them too.
-        looking = self.lookup is not None and (drafting or self.drafter is not None)
-        chains = self._lookup_chains(tree, last, room, drafting) if looking else []
+        if alone is None:
+            looking = self.lookup is not None and (drafting or self.drafter is not None)
+            chains = self._lookup_chains(tree, last, room, drafting) if looking else []
         tree = graft(tree, chains)
         if chains and grammar is not None:
             tree, cut = prune_tree(tree, grammar)
@@ -171,31 +183,36 @@ class DDTree:
         tree, pruned = grammar_tree(last, cand_tok, cand_lp, max_b, grammar, room, self.branching)
         return self.policy.cut(tree), t_build, pruned
 
+    def _base_tree(self, last: int, room: int) -> Tree:
+        """The round's tree before any drafter or lookup node: the root, and after it a
+        grammar's certain run."""
+        tree = root_only(last)
+        if self.grammar is not None:
+            tree = with_certain_run(tree, self.grammar, min(room, self.policy.max_budget))
+        return tree
+
     def _lookup_chains(self, tree: Tree, last: int, room: int, drafting: bool) -> list[list[int]]:
         """This round's lookup branches, as the budget policy cuts them."""
-        chains = self._lookup_branches(last, room)
-        drafted = drafting and self.drafter is not None
-        return self.policy.cut_lookup(tree, chains, self.lookup_stats, drafted)
-
-    def _lookup_branches(self, last: int, room: int) -> list[list[int]]:
         # The index holds session.tokens + [last] as of its last call (this round's, or the
         # last round's, whose `last` is now in session.tokens): only what follows is new.
         lookup, tokens = self.lookup, self.session.tokens
         assert lookup is not None
         done = len(lookup.tokens)
         lookup.extend([*tokens[done:], last] if done <= len(tokens) else [])
-        return lookup.branches(min(self.lookup_len, room))
+        chains = lookup.branches(min(self.lookup_len, room))
+        drafted = drafting and self.drafter is not None
+        return self.policy.cut_lookup(tree, chains, self.lookup_stats, drafted)
 
-    def _lookup_suffices(self, last: int, room: int) -> bool:
-        """Whether the policy would rather verify this round's lookup branches without a
-        drafter pass (budget.py: AutoBudget.lookup_suffices)."""
+    def _lookup_alone(self, last: int, room: int) -> tuple[Tree, list[list[int]]] | None:
+        """This round without a drafter pass (its base tree and cut lookup branches), where
+        the policy finds the branches enough (budget.py: AutoBudget.lookup_suffices)."""
         if self.drafter is None or self.lookup is None:
-            return False
-        root = root_only(last)
-        if self.grammar is not None:
-            root = with_certain_run(root, self.grammar, min(room, self.policy.max_budget))
-        chains = self._lookup_branches(last, room)
-        return bool(chains) and self.policy.lookup_suffices(root, chains, self.lookup_stats)
+            return None
+        base = self._base_tree(last, room)
+        chains = self._lookup_chains(base, last, room, drafting=False)
+        if chains and self.policy.lookup_suffices(base, chains, self.lookup_stats):
+            return base, chains
+        return None
 
     def _verify(self, tree: Tree, start: int):
         return self.session.target.forward(
