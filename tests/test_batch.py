@@ -258,6 +258,46 @@ def test_a_batched_pacer_weighs_trees_against_a_plain_steps_share():
     policy.record_tree(tree, 2, [0], 1, 40.0, 200.0)
     assert not policy.draft_now(), "a batched row kept drafting at tau 1"
 
+    # A tiny model's profile can be flat end to end (its 1-token verify timed slowest): a
+    # plain step's share must still cost something, and a tree round not divide by it (CI
+    # once failed here with ZeroDivisionError).
+    flat = VerifyProfile(
+        [1, 2, 4, 8, 16, 32, 48, 65], [3e-3, 1e-3, 1e-3, 2e-3, 1e-3, 2e-3, 3e-3, 3e-3]
+    )
+    assert (MarginalProfile(flat, 12).cost(np.arange(1, 9)) > 0).all()
+    policy = AutoBudget(flat)
+    policy.batch = Busy()
+    for _ in range(3):
+        policy.record_tree(tree, 2, [0, 1], 2, 0.0, 1.0)
+
+
+def test_a_row_that_fails_ends_the_others_and_their_blocks(target):
+    """An error escaping one row ends the rows still suspended (their `finally` blocks run),
+    instead of leaving them, and the wired-memory block each generation enters, open for as
+    long as the error's traceback lives: CI once saw a later test find that block still
+    entered."""
+    from mlx_dflash.engine import device
+
+    ended = []
+
+    def row(i: int):
+        def generate(shared) -> None:
+            try:
+                session = Session(shared, None)
+                cfg = GenerationConfig(max_tokens=MAX_TOKENS[i], mode="ar")
+                for n, _ in enumerate(generate_rounds(session, PROMPTS[i], cfg)):
+                    if i == 1 and n == 3:
+                        raise RuntimeError("row 1 fails")
+            finally:
+                ended.append(i)
+
+        return generate
+
+    with pytest.raises(RuntimeError, match="row 1 fails"):
+        run_rows(target, [row(i) for i in range(3)])
+    assert sorted(ended) == [0, 1, 2]
+    assert device._wired_depth == 0
+
 
 def test_a_long_prompt_is_read_in_chunks_between_the_other_rows_rounds(target, truths):
     """A 300-token prompt joining mid-way is prefilled in chunks that ride with the decoding

@@ -44,6 +44,7 @@ class Batcher:
         self._drafts: list[_Slot] = []  # drafter passes
         self._allots: list[_Slot] = []  # auto-budget trees waiting for the round's budget
         self._hub: Any = None  # the greenlet running tick(), where rows come back to
+        self._live: list[Any] = []  # every row added and not ended (for close())
         self.forwards = 0  # packed forwards run, the rows they carried, the most at once
         self.rows = 0
         self.max_rows = 0
@@ -60,7 +61,9 @@ class Batcher:
 
     def add(self, fn: Callable[[], None]) -> None:
         """A new row running fn() (a whole generation; it must handle its own errors)."""
-        self._runnable.append(greenlet(fn))
+        row = greenlet(fn)
+        self._runnable.append(row)
+        self._live.append(row)
 
     @property
     def active(self) -> int:
@@ -83,6 +86,7 @@ class Batcher:
                 row.switch()
                 if row.dead:  # its caches leave the arena (back to the session's own)
                     self._release(row)
+                    self._live.remove(row)
             if self._drafts:
                 # The drafts first: their rows then build their trees and join the verify.
                 drafts, self._drafts = self._drafts, []
@@ -120,6 +124,18 @@ class Batcher:
         if not self.in_row():
             return None
         return self._wait(self._allots, (policy, tree))
+
+    def close(self) -> None:
+        """End every row still suspended, running its `finally` blocks (the wired-memory
+        block, the session's caches). For when an error escaped a tick: left suspended, the
+        rows would hold those blocks open for as long as the error's traceback lives."""
+        rows, self._live = self._live, []
+        self._runnable, self._pending, self._drafts, self._allots = [], [], [], []
+        for row in rows:
+            if not row.dead:
+                row.parent = getcurrent()
+                row.throw()  # GreenletExit, which ends the row quietly
+            self._release(row)
 
     def _wait(self, queue: list[_Slot], p: Any):
         """Queue this row's request `p`, suspend the row until the tick has served it, and
@@ -249,12 +265,16 @@ def run_rows(target, rows: list[Callable[[Any], None]], join_at: list[int] | Non
     def row(fn: Callable[[Any], None]) -> Callable[[], None]:
         return lambda: fn(shared)
 
-    while True:
-        due = [w for w in waiting if join_at is None or batcher.forwards >= join_at[w[0]]]
-        if not due and waiting and not batcher.active:  # nothing runs until the next joins
-            due = waiting[:1]
-        for w in due:
-            batcher.add(row(w[1]))
-            waiting.remove(w)
-        if not batcher.tick() and not waiting:
-            return batcher
+    try:
+        while True:
+            due = [w for w in waiting if join_at is None or batcher.forwards >= join_at[w[0]]]
+            if not due and waiting and not batcher.active:  # nothing runs until the next joins
+                due = waiting[:1]
+            for w in due:
+                batcher.add(row(w[1]))
+                waiting.remove(w)
+            if not batcher.tick() and not waiting:
+                return batcher
+    except BaseException:
+        batcher.close()
+        raise

@@ -104,9 +104,12 @@ class MarginalProfile:
         self.base = profile.cost(self.others)
         # At least half the profile's mean cost per token: where the measured curve is flat
         # between two sizes, a token would otherwise cost nothing (and a plain step's rate
-        # be infinite, or its time zero).
+        # be infinite, or its time zero). A profile flat from end to end (a tiny model whose
+        # 1-token verify was timed slowest) still prices a token at 5% of its largest
+        # verify's share per token.
         span = max(profile.sizes[-1] - profile.sizes[0], 1.0)
-        self.floor = 0.5 * (profile.seconds[-1] - profile.seconds[0]) / span
+        spread = 0.5 * (profile.seconds[-1] - profile.seconds[0]) / span
+        self.floor = max(spread, 0.05 * profile.seconds[-1] / profile.sizes[-1])
 
     def cost(self, n_tokens) -> np.ndarray:
         n = np.asarray(n_tokens, dtype=np.float64)
@@ -214,7 +217,8 @@ class Pacer:
         a = self.PROBE_ALPHA if self.probing else self.ALPHA
         self.probing = False
         self.tree = self._ema(self.tree, tokens, seconds, a)
-        if self.tree[0] / self.tree[1] < self.plain[0] / self.plain[1]:
+        # Rates compared cross-multiplied: a plain step timed at zero seconds must not raise.
+        if self.tree[0] * self.plain[1] < self.plain[0] * self.tree[1]:
             self.wait, self.backoff = self.backoff, min(2 * self.backoff, self.MAX_WAIT)
         else:
             # Halved, not reset: one lucky probe on hard text must not restart every-round
