@@ -182,6 +182,47 @@ def test_pacer_backs_off_while_drafting_loses_and_resumes_when_it_wins():
     assert slow.draft_now()
 
 
+def test_a_stale_profile_is_scaled_by_the_verifies_the_round_times():
+    """The verify profile is cached per model and machine, but the machine's speed drifts: one
+    measured on a busy machine (here 1.5x dearer than now) prices a plain step too high, so a
+    drafter at 1.2 tokens a round, which loses to real plain steps, would never be paused
+    (and never get the plain step that would correct it). The rounds' own verify times
+    scale the profile until a plain step is timed."""
+    from mlx_dflash.engine.budget import AutoBudget, VerifyProfile
+    from mlx_dflash.engine.tree import Tree
+
+    sizes = [1, 2, 4, 8, 16, 32, 48, 65]
+    now = VerifyProfile(sizes, [0.10 + 0.005 * s for s in sizes])  # what a verify costs today
+    stale = VerifyProfile(sizes, 1.5 * now.seconds)
+    tree = Tree(
+        np.array([5, 6, 7]), np.array([-1, 0, 1]), np.array([0, 1, 2]), np.log([1, 0.6, 0.5])
+    )
+    verify, t_fixed = float(now.cost(3)), 0.02
+    for fresh in (False, True):
+        policy = AutoBudget(stale)
+        paused = 0
+        for _ in range(12):
+            if not policy.draft_now():
+                paused += 1
+                continue
+            # 1.2 tokens a round in 0.135 s (8.9 tok/s) against plain steps at 0.105 s (9.5/s)
+            policy.record_tree(
+                tree, 3, [0], 1 + (policy.tree_rounds % 5 == 0), t_fixed, t_fixed + verify
+            )
+            if not fresh:  # the old behaviour: the profile as cached
+                policy.speed, policy.pacer.plain = 1.0, (1.0, float(stale.cost(1)))
+        if fresh:
+            assert policy.speed == pytest.approx(1 / 1.5)
+            assert policy.costs().cost(3) == pytest.approx(verify)
+            assert policy.pacer.plain[1] == pytest.approx(float(now.cost(1)))
+            assert paused > 0, "drafting that loses to today's plain steps ran without a pause"
+        else:
+            assert paused == 0  # what a stale profile did
+    policy.record_plain(0.2)  # a timed plain step: from now on the pacer's own measurement
+    policy.record_tree(tree, 3, [0], 1, t_fixed, t_fixed + verify)
+    assert policy.pacer.plain[1] > float(now.cost(1))
+
+
 def test_pacer_keeps_drafting_through_noisy_rounds_that_win_on_average():
     """Accepted lengths 3, 1, 1, ... at 0.14 s a round beat 10 tokens/s on average (11.9):
     single bad rounds must not pause drafting (a one-round average would pause every third)."""

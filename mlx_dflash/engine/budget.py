@@ -42,6 +42,11 @@ class VerifyProfile:
         past = self.seconds[-1] + max(slope, 0.0) * (n - self.sizes[-1])
         return np.where(n > self.sizes[-1], past, np.interp(n, self.sizes, self.seconds))
 
+    def scaled(self, speed: float) -> VerifyProfile:
+        """The same curve at `speed` times the seconds (the machine slower or faster now than
+        when the profile was measured and cached)."""
+        return VerifyProfile(self.sizes, self.seconds * speed)
+
     @classmethod
     def measure(cls, target, context: int = 256, repeats: int = 3) -> VerifyProfile:
         """Time chain-shaped verifies of each size after `context` cached tokens."""
@@ -190,6 +195,7 @@ class Pacer:
         self.wait = 0
         self.backoff = 1
         self.probing = False  # the next tree round follows a pause
+        self.heard_plain = False  # `plain` is still the profile's estimate, not a measurement
 
     def draft_now(self) -> bool:
         if self.wait > 0:
@@ -212,6 +218,7 @@ class Pacer:
         # A verify of more (lookup) is noisy like a tree round, whatever it accepted this time.
         a = self.PROBE_ALPHA if size == 1 else self.ALPHA
         self.plain = self._ema(self.plain, float(tokens), seconds, a)
+        self.heard_plain = True
 
     def record_tree(self, tokens: int, seconds: float) -> None:
         a = self.PROBE_ALPHA if self.probing else self.ALPHA
@@ -266,7 +273,9 @@ class AutoBudget:
     - `t_fixed`: a running estimate of a round's cost beyond the verify (draft, bookkeeping);
     - `expected` / `realised`: running extra tokens, predicted by the drafter vs accepted,
       whose ratio (`calibration`) scales the drafter's confidence;
-    - the `Pacer`, which pauses drafting while tree rounds lose to plain steps.
+    - the `Pacer`, which pauses drafting while tree rounds lose to plain steps;
+    - `speed`: measured verify seconds against the profile's (running), which scales the
+      cached profile to the machine as it runs now.
     """
 
     max_budget = AUTO_MAX_BUDGET
@@ -282,6 +291,8 @@ class AutoBudget:
         # means), and how many such rounds the running means have seen.
         self.t_draft = self.drafter_nodes = 0.0
         self.drafted_rounds = 0
+        self.speed = 1.0
+        self.timed_verifies = 0
 
     @classmethod
     def for_target(cls, target) -> AutoBudget:
@@ -297,9 +308,24 @@ class AutoBudget:
 
     def costs(self) -> VerifyProfile | MarginalProfile:
         """Verify cost by size: a forward of its own, or a share of the next packed one."""
-        if self.batch is None or self.batch.others_tokens() <= 0:
+        if self.batch is None:
+            return self.profile if self.speed == 1.0 else self.profile.scaled(self.speed)
+        if self.batch.others_tokens() <= 0:
             return self.profile
         return MarginalProfile(self.profile, self.batch.others_tokens())
+
+    def _time_verify(self, size: int, seconds: float) -> None:
+        """A verify of `size` tokens took `seconds`: update `speed`. The profile is cached per
+        model and machine, but the machine's speed drifts (another process, a cooler or hotter
+        CPU): the 0.5B coder's cached profile priced a plain step at 0.27 s where steps took
+        0.2 s. Until the pacer has timed a plain step of its own, its estimate of one follows
+        too; priced 35% too dear, it would let drafting that loses run without a pause."""
+        ratio = float(np.clip(seconds / float(self.profile.cost(size)), 0.25, 4.0))
+        first = self.timed_verifies == 0
+        self.speed = ratio if first else 0.8 * self.speed + 0.2 * ratio
+        self.timed_verifies += 1
+        if not self.pacer.heard_plain:
+            self.pacer.plain = (1.0, self.speed * float(self.profile.cost(1)))
 
     @property
     def calibration(self) -> float:
@@ -407,6 +433,8 @@ class AutoBudget:
             # a win in a batch (so no plain step ever came to correct it, and rows drafted
             # every round at tau ~1 while plain rows ran 1.4x faster).
             self.pacer.plain = (1.0, float(costs.cost(1)))
+        else:
+            self._time_verify(len(tree.tokens), t - t_fixed)
         self.pacer.record_tree(emitted, t)
 
 
