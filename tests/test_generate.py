@@ -171,3 +171,26 @@ def test_numerics_long_context_verify_vs_single_step(tmp_path):
     np.testing.assert_allclose(np.array(v_logits), step_logits, atol=1e-4 * scale)
     np.testing.assert_allclose(np.array(t_logits), step_logits, atol=1e-4 * scale)
     assert (np.array(v_logits).argmax(-1) == step_logits.argmax(-1)).all()
+
+
+def test_a_quantized_target_on_the_cpu_gets_a_note_on_speculative_modes(tmp_path, run_cli):
+    """On the CPU, MLX's quantized matmul costs grow with every row a verify carries (4-bit
+    SmolLM2: 3x slower DFlash than plain steps), so a speculative mode there says so once on
+    stderr, with the command that makes a float32 copy; plain decoding and float32 say nothing."""
+    from published import write_published
+
+    from mlx_dflash.cli.options import slow_verify_note
+    from mlx_dflash.models.target import load_target
+
+    llama = "meta-llama/Llama-3.1-8B-Instruct"
+    q4 = write_published(tmp_path / "q4", llama, "mlx-lm-4bit")
+    f32 = write_published(tmp_path / "f32", llama, "hf")
+    quantized = load_target(q4)
+    note = slow_verify_note(quantized, str(q4), "ddtree")
+    assert note is not None and f"convert {q4} --out {q4}-f32 --dequantize" in note
+    assert slow_verify_note(quantized, str(q4), "ar") is None
+    assert slow_verify_note(load_target(f32), str(f32), "dflash") is None
+    code, out, err = run_cli("generate", "-m", q4, "-p", "Hi", "-n", "4", "--mode", "lookup")
+    assert code == 0 and err.count("note:") == 1 and "--dequantize" in err
+    code, out, err = run_cli("generate", "-m", q4, "-p", "Hi", "-n", "4", "--mode", "ar")
+    assert code == 0 and "note:" not in err

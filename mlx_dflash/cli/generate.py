@@ -46,6 +46,8 @@ def generate_command(
     cfg = dataclasses.replace(cfg, grammar=opts.grammar_spec(json_schema, regex, lark))
     world = distributed.init()  # several ranks under mlx.launch: a sharded target
     target, runner = load_pair(model, drafter, mode, world)
+    if world.is_main:
+        opts.print_slow_verify_note(target, model, mode)
     ids = encode_prompt(target.tokenizer, prompt, chat_template, system, thinking)
     cfg = dataclasses.replace(cfg, stop_ids=stop_ids(target.tokenizer))
     session = Session(target, runner if cfg.uses_drafter else None)

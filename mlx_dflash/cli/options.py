@@ -95,3 +95,31 @@ def generation_config(
         budget=budget,
         lookup=default_lookup(mode, budget) if lookup is None else lookup,
     )
+
+
+def slow_verify_note(target, model: str | None, mode: str) -> str | None:
+    """One line for a quantized or half-precision target on the CPU in a speculative mode:
+    there MLX's own matmul kernels cost about linearly in the rows a forward carries (4-bit
+    SmolLM2's dense layers: 30 ms at 1 row, 552 at 16), so every verify loses to plain steps;
+    float32 weights go to BLAS, where 16 rows cost ~1.3 of one. None where it does not apply."""
+    import mlx.core as mx
+
+    from ..models.rows import blas_weights
+
+    if mode == "ar" or mx.metal.is_available() or target.stage is not None:
+        return None
+    if blas_weights(target):
+        return None
+    name = model or "the target"
+    return (
+        f"note: {name} is quantized or half precision, which on the CPU makes every verify "
+        "cost about as many plain steps as it has tokens: speculative modes run slower than "
+        f"--mode ar here. A float32 copy runs them fast: dflash-mlx convert {name} --out "
+        f"{name}-f32 --dequantize --dtype float32"
+    )
+
+
+def print_slow_verify_note(target, model: str | None, mode: str) -> None:
+    note = slow_verify_note(target, model, mode)
+    if note is not None:
+        typer.echo(note, err=True)

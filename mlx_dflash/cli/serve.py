@@ -67,6 +67,8 @@ def serve_command(
     )
     world = distributed.init()  # several ranks under mlx.launch: rank 0 serves HTTP
     target, runner = load_pair(model, drafter, mode, world)
+    if world.is_main:
+        opts.print_slow_verify_note(target, model, mode)
     served = name or (Path(model).name if model else "stories260K")
     aliases = tuple(a for a in (model, Path(model).name if model else None) if a)
     config = ServerConfig(

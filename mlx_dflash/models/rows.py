@@ -94,7 +94,7 @@ class RowPadding:
         DFLASH_MLX_ROW_PADDING says: "0" none, a number k up to multiples of k, unset (or
         "auto") the measured table, cached, else measured (seconds, once per model and
         machine)."""
-        if mx.metal.is_available() or target.stage is not None or not _blas_weights(target):
+        if mx.metal.is_available() or target.stage is not None or not blas_weights(target):
             return None
         setting = os.environ.get("DFLASH_MLX_ROW_PADDING", "auto")
         if setting == "0":
@@ -115,7 +115,7 @@ class RowPadding:
         return padding
 
 
-def _blas_weights(target) -> bool:
+def blas_weights(target) -> bool:
     """Whether the dense layers are float32 matmuls, the ones MLX hands to BLAS. Quantized and
     half-precision weights run MLX's own CPU kernels, whose cost grows with every row (4-bit,
     576x1536 x 30: 30 ms at 1 row, 119 at 4, 552 at 16): padding would only add rows."""
