@@ -144,6 +144,17 @@ def test_named_datasets_load(name, data_dir):
     assert len(prompts) == 3 and all(isinstance(p, str) and len(p) > 10 for p in prompts)
 
 
+def test_mbpp_is_its_test_split_as_on_the_hub(data_dir, tmp_path):
+    """The local sanitized MBPP file holds every split; the bench set is its test split (tasks
+    11-510, the hub's sanitized test parquet), never the train and validation tasks the
+    shipped coder drafter learnt from."""
+    real = load_prompts("mbpp", data_dir)
+    assert len(real) == 257  # the sanitized test split's size
+    rows = [{"task_id": i, "prompt": f"task {i}"} for i in (2, 11, 300, 510, 511, 601, 900)]
+    (tmp_path / "mbpp_sanitized.json").write_text(json.dumps(rows))
+    assert load_prompts("mbpp", tmp_path) == ["task 11", "task 300", "task 510"]
+
+
 def test_own_jsonl_and_errors(tmp_path, monkeypatch):
     f = tmp_path / "mine.jsonl"
     f.write_text('{"question": "What is 2+2?"}\n\n{"turns": ["Hi", "Bye"]}\n')

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from ..errors import DFlashError
-from ..prompt_files import read_prompt_file
+from ..prompt_files import prompt_of, read_prompt_file, read_records
 
 # name -> (local file under --data-dir, field holding the prompt)
 DATASETS: dict[str, tuple[str, str]] = {
@@ -17,6 +17,11 @@ DATASETS: dict[str, tuple[str, str]] = {
     "mbpp": ("mbpp_sanitized.json", "prompt"),
     "mt-bench": ("mt_bench_question.jsonl", "turns"),
 }
+# A local file holding more than the set's test split: the records that are the split. The
+# sanitized MBPP file holds every split; the hub's parquet (below) is its test split, tasks
+# 11-510. Past its first 264 records the file reaches the train and validation tasks the
+# shipped Qwen2.5-Coder drafter was trained on (training/README.md).
+TEST_SPLIT = {"mbpp": lambda r: isinstance(r, dict) and 11 <= int(r.get("task_id", 0)) <= 510}
 # Where the same sets live on the Hugging Face hub, for machines without ../shared.
 HUB_DATASETS: dict[str, tuple[str, str]] = {
     "humaneval": ("openai/openai_humaneval", "openai_humaneval/test-00000-of-00001.parquet"),
@@ -68,7 +73,6 @@ def load_grammars(dataset: str, count: int) -> list:
     """Per prompt of a set, the grammar its answer must follow (a line's "schema"), or None:
     only sets whose lines carry schemas (the packaged `structured`, or such a .jsonl) have any."""
     from ..engine.grammar import GrammarSpec
-    from ..prompt_files import read_records
 
     path = PACKAGED.get(dataset) or Path(dataset).expanduser()
     if dataset in DATASETS or not path.is_file() or path.suffix != ".jsonl":
@@ -100,7 +104,11 @@ def load_prompts(dataset: str, data_dir: str | Path | None = None, limit: int | 
         if not path.is_file():
             names = ", ".join([*DATASETS, *PACKAGED])
             raise DFlashError(f"Unknown dataset '{dataset}': use one of {names} or a .jsonl file.")
-    prompts = read_prompt_file(path, field)
+    if dataset in TEST_SPLIT and path.suffix != ".parquet":
+        records = [r for r in read_records(path) if TEST_SPLIT[dataset](r)]
+        prompts = [p for p in (prompt_of(r, field, str(path)) for r in records) if p.strip()]
+    else:
+        prompts = read_prompt_file(path, field)
     if not prompts:
         raise DFlashError(f"{path} holds no prompts.")
     return prompts[:limit] if limit else prompts
