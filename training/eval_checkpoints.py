@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 import mlx_dflash  # noqa: F401  (OpenBLAS before mlx)
-from mlx_dflash.cli.train import _eval_sets
+from mlx_dflash.benchmark.datasets import eval_sets
 from mlx_dflash.models.drafter import load_drafter
 from mlx_dflash.models.target import load_target
 from mlx_dflash.training.data import encode
@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     target = load_target(args.model)
-    sets = {n: [encode(target.tokenizer, p) for p in ps] for n, ps in _eval_sets(args.eval_set)}
+    sets = {n: [encode(target.tokenizer, p) for p in ps] for n, ps in eval_sets(args.eval_set)}
     with args.out.open("a") as f:
         for spec in args.checkpoint:
             step, folder = spec.split(":", 1)

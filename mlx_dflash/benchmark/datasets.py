@@ -112,3 +112,17 @@ def load_prompts(dataset: str, data_dir: str | Path | None = None, limit: int | 
     if not prompts:
         raise DFlashError(f"{path} holds no prompts.")
     return prompts[:limit] if limit else prompts
+
+
+def eval_sets(specs: list[str]) -> list[tuple[str, list[str]]]:
+    """NAME[:N] -> (NAME, its first N prompts): the per-set evaluations of `train --eval-set`
+    and training/eval_checkpoints.py."""
+    out = []
+    for spec in specs:
+        name, _, n = spec.partition(":")
+        try:
+            limit = int(n) if n else 4
+        except ValueError:
+            raise DFlashError(f"--eval-set {spec}: N must be a whole number.") from None
+        out.append((name, load_prompts(name, limit=limit)))
+    return out

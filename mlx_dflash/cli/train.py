@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import typer
 
+from ..benchmark.datasets import eval_sets
 from ..checkpoints.read import check_pair
 from ..errors import DFlashError
 from ..models.drafter import init_drafter, load_drafter, reshape_drafter, to_dflash2
@@ -32,21 +33,6 @@ def _parse_ints(s: str | None) -> list[int] | None:
         return [int(x) for x in s.split(",") if x.strip()]
     except ValueError:
         raise DFlashError(f"Expected comma-separated integers, not '{s}'.") from None
-
-
-def _eval_sets(specs: list[str]) -> list[tuple[str, list[str]]]:
-    """NAME[:N] -> (NAME, its first N prompts)."""
-    from ..benchmark.datasets import load_prompts
-
-    out = []
-    for spec in specs:
-        name, _, n = spec.partition(":")
-        try:
-            limit = int(n) if n else 4
-        except ValueError:
-            raise DFlashError(f"--eval-set {spec}: N must be a whole number.") from None
-        out.append((name, load_prompts(name, limit=limit)))
-    return out
 
 
 def _parse_floats(s: str) -> tuple[float, ...]:
@@ -216,7 +202,7 @@ def train_command(
         raise DFlashError(f"Only {len(prompts)} prompts: fewer than --eval-prompts + 1.")
     train_prompts = prompts[: len(prompts) - eval_prompts]
     held_out = prompts[len(prompts) - eval_prompts :]
-    sets = {name: [encode(target.tokenizer, p) for p in ps] for name, ps in _eval_sets(eval_set)}
+    sets = {name: [encode(target.tokenizer, p) for p in ps] for name, ps in eval_sets(eval_set)}
     # The drafter comes first: its tapped layers are what answering keeps for training.
     drafter, opt_state, step, fresh, seen = _starting_drafter(target, a)
     check_pair(drafter.cfg, target.config)
