@@ -6,7 +6,7 @@ from __future__ import annotations
 import typer
 
 from ..engine import GenerationConfig, SamplingParams
-from ..engine.session import default_lookup
+from ..engine.session import default_lookup, speculates
 from ..errors import DFlashError
 
 MODEL = typer.Option(
@@ -106,7 +106,7 @@ def slow_verify_note(target, model: str | None, mode: str) -> str | None:
 
     from ..models.rows import blas_weights
 
-    if mode == "ar" or mx.metal.is_available() or target.stage is not None:
+    if not speculates(mode) or mx.metal.is_available() or target.stage is not None:
         return None
     if blas_weights(target):
         return None

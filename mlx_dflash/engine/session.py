@@ -27,6 +27,11 @@ def uses_drafter(mode: str) -> bool:
     return mode in DRAFTER_MODES
 
 
+def speculates(mode: str) -> bool:
+    """Whether `mode` verifies drafted tokens (a block or a tree), not one token a step."""
+    return ROUND_KINDS.get(mode, "plain") != "plain"
+
+
 def parse_budget(budget: int | str) -> int | str:
     """A DDTree budget: a positive integer (or its text), or "auto"."""
     if budget == "auto":
