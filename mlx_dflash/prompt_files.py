@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +64,13 @@ def prompt_of(record: Any, field: str | None = None, source: str = "the prompt f
     )
 
 
-def read_prompt_file(path: str | Path, field: str | None = None) -> list[str]:
-    """Every non-empty prompt of a file."""
+def read_prompt_file(
+    path: str | Path, field: str | None = None, keep: Callable[[Any], bool] | None = None
+) -> list[str]:
+    """Every non-empty prompt of a file (of the records `keep` accepts, when given)."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise DFlashError(f"The prompt file {path} does not exist.")
-    prompts = [prompt_of(r, field, str(path)) for r in read_records(path)]
+    records = [r for r in read_records(path) if keep is None or keep(r)]
+    prompts = [prompt_of(r, field, str(path)) for r in records]
     return [p for p in prompts if p.strip()]

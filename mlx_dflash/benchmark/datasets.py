@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from ..errors import DFlashError
-from ..prompt_files import prompt_of, read_prompt_file, read_records
+from ..prompt_files import read_prompt_file, read_records
 
 # name -> (local file under --data-dir, field holding the prompt)
 DATASETS: dict[str, tuple[str, str]] = {
@@ -17,9 +17,8 @@ DATASETS: dict[str, tuple[str, str]] = {
     "mbpp": ("mbpp_sanitized.json", "prompt"),
     "mt-bench": ("mt_bench_question.jsonl", "turns"),
 }
-# A local file holding more than the set's test split: the records that are the split. The
-# sanitized MBPP file holds every split; the hub's parquet (below) is its test split, tasks
-# 11-510. Past its first 264 records the file reaches the train and validation tasks the
+# A set's test split, for files holding more: the sanitized MBPP file holds every split; the
+# hub's parquet (below) is its test split, tasks 11-510, which this keeps whole. Past its first 264 records the file reaches the train and validation tasks the
 # shipped Qwen2.5-Coder drafter was trained on (training/README.md).
 TEST_SPLIT = {"mbpp": lambda r: isinstance(r, dict) and 11 <= int(r.get("task_id", 0)) <= 510}
 # Where the same sets live on the Hugging Face hub, for machines without ../shared.
@@ -104,11 +103,7 @@ def load_prompts(dataset: str, data_dir: str | Path | None = None, limit: int | 
         if not path.is_file():
             names = ", ".join([*DATASETS, *PACKAGED])
             raise DFlashError(f"Unknown dataset '{dataset}': use one of {names} or a .jsonl file.")
-    if dataset in TEST_SPLIT and path.suffix != ".parquet":
-        records = [r for r in read_records(path) if TEST_SPLIT[dataset](r)]
-        prompts = [p for p in (prompt_of(r, field, str(path)) for r in records) if p.strip()]
-    else:
-        prompts = read_prompt_file(path, field)
+    prompts = read_prompt_file(path, field, TEST_SPLIT.get(dataset))
     if not prompts:
         raise DFlashError(f"{path} holds no prompts.")
     return prompts[:limit] if limit else prompts

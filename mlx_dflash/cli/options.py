@@ -102,11 +102,10 @@ def slow_verify_note(target, model: str | None, mode: str) -> str | None:
     there MLX's own matmul kernels cost about linearly in the rows a forward carries (4-bit
     SmolLM2's dense layers: 30 ms at 1 row, 552 at 16), so every verify loses to plain steps;
     float32 weights go to BLAS, where 16 rows cost ~1.3 of one. None where it does not apply."""
-    import mlx.core as mx
-
+    from ..engine.device import on_metal
     from ..models.rows import blas_weights
 
-    if not speculates(mode) or mx.metal.is_available() or target.stage is not None:
+    if not speculates(mode) or on_metal() or target.stage is not None:
         return None
     if blas_weights(target):
         return None
