@@ -27,7 +27,13 @@ from oracle import LatticeOracle, OracleDrafter, diversify
 from test_sampling import chi2_pvalue
 
 from mlx_dflash.engine import GenerationConfig, SamplingParams, Session, generate_rounds
-from mlx_dflash.engine.grammar import GrammarSpec, compile_grammar, grammar_tree
+from mlx_dflash.engine.grammar import (
+    JSON_DEFAULTS,
+    GrammarSpec,
+    compile_grammar,
+    grammar_tree,
+    json_defaults,
+)
 from mlx_dflash.engine.sampling import token_probs
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.target import load_target
@@ -58,17 +64,22 @@ def target(tmp_path_factory):
 
 def library_processor(target, spec: GrammarSpec, prompt_len: int):
     """An mlx-lm logits processor made of llguidance's own pieces (its matcher, its numpy
-    bitmask): the library's constrained decoding, independent of our engine/grammar.py."""
+    bitmask): the library's constrained decoding, independent of our engine/grammar.py but
+    for the JSON options we compile with (bounded whitespace)."""
     lt = llguidance.hf.from_tokenizer(
         target.tokenizer._tokenizer,
         n_vocab=target.vocab_size,
         eos_token=sorted(stop_ids(target.tokenizer)),
     )
     text = {
-        "json_schema": lambda: llguidance.LLMatcher.grammar_from_json_schema(spec.source),
+        "json_schema": lambda: llguidance.LLMatcher.grammar_from_json_schema(
+            spec.source, defaults=json_defaults(json.loads(spec.source))
+        ),
         "regex": lambda: llguidance.LLMatcher.grammar_from_regex(spec.source),
         "lark": lambda: llguidance.LLMatcher.grammar_from_lark(spec.source),
-        "json_object": lambda: llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}),
+        "json_object": lambda: llguidance.LLMatcher.grammar_from_json_schema(
+            {"type": "object"}, defaults=JSON_DEFAULTS
+        ),
     }[spec.kind]()
     matcher = llguidance.LLMatcher(lt, text, log_level=0)
     bitmask = allocate_token_bitmask(1, target.vocab_size)
@@ -279,6 +290,30 @@ def test_grammar_tree_prunes_and_adds_certain_runs(target):
     chain, _ = grammar_tree(0, cand, lp, 20, g, room=20, branching=1)
     assert all(len(k) <= 1 for k in chain.children())
     assert g.branch == [] and len(kids[0]) == 1
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "json_object"])
+def test_json_whitespace_is_bounded_unless_the_schema_says_otherwise(target, kind):
+    """A model that prefers whitespace cannot loop in it until max_tokens (the real 0.5B coder
+    wrote spaces after `"steps":` for 1200 tokens): at most 20 spaces, or a line break and an
+    indent of 20, then the grammar forces the value. A schema's "x-guidance" still decides."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    own = {**schema, "x-guidance": {"whitespace_pattern": r"[\x20\x0A]+"}}
+
+    def takes(spec, text):
+        g = compile_grammar(spec, target.tokenizer, target.vocab_size)
+        ids = target.tokenizer.encode(text)
+        return g.matcher.validate_tokens(ids) == len(ids)
+
+    spec = GrammarSpec.json_schema(schema) if kind == "json_schema" else GrammarSpec(kind)
+    for ok in ['{"a": 1}', '{"a":' + " " * 20 + "1}", '{\n  "a":\n' + " " * 20 + "1\n}"]:
+        assert takes(spec, ok), ok
+    for loop in ['{"a":' + " " * 21, '{"a":\n\n', '{"a":' + " " * 20 + "\n" + " " * 20]:
+        assert not takes(spec, loop), loop
+    assert takes(GrammarSpec.json_schema(own), '{"a":' + " \n" * 40 + "1}")
+    compact = {**schema, "x-guidance": {"whitespace_flexible": False}}
+    assert not takes(GrammarSpec.json_schema(compact), '{"a": 1}')
+    assert takes(GrammarSpec.json_schema(compact), '{"a":1}')
 
 
 @pytest.mark.parametrize(

@@ -33,6 +33,21 @@ from .tree import Tree, graft
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")
 
+# JSON whitespace as llama.cpp's schema grammars bound it: a run of at most 20 spaces or tabs,
+# or one line break and an indent of at most 20. llguidance's default, any run of whitespace,
+# lets a model that prefers whitespace loop there until max_tokens (the 0.5B coder does, after
+# `"steps":`): bounded, the grammar forces the next token of the value instead. A schema whose
+# "x-guidance" says anything about whitespace keeps its own choice (`json_defaults`).
+JSON_DEFAULTS = {"whitespace_pattern": r"[\x20\x09]{1,20}|(?:\r?\n[\x20\x09]{0,20})"}
+
+
+def json_defaults(schema: dict) -> dict | None:
+    """Our bounded whitespace, unless the schema's llguidance options choose whitespace."""
+    own = schema.get("x-guidance")
+    if isinstance(own, dict) and {"whitespace_pattern", "whitespace_flexible"} & own.keys():
+        return None
+    return JSON_DEFAULTS
+
 
 @dataclass(frozen=True)
 class GrammarSpec:
@@ -58,7 +73,7 @@ def _grammar_text(spec: GrammarSpec) -> str:
 
     m = llguidance.LLMatcher
     if spec.kind == "json_object":
-        return m.grammar_from_json_schema({"type": "object"})
+        return m.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
     if spec.kind == "regex":
         return m.grammar_from_regex(spec.source)
     if spec.kind == "lark":
@@ -70,7 +85,7 @@ def _grammar_text(spec: GrammarSpec) -> str:
     if not isinstance(schema, dict):
         raise DFlashError("A JSON schema must be a JSON object.")
     try:
-        return m.grammar_from_json_schema(schema)
+        return m.grammar_from_json_schema(schema, defaults=json_defaults(schema))
     except ValueError as e:
         raise DFlashError(f"The JSON schema cannot be used: {e}.") from None
 
