@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine import GenerationConfig, SamplingParams, Session, Stats, parse_budget, stream_generate
+from ..engine.corpus import load_corpus
 from ..engine.session import DEFAULT_LOOKUP, uses_drafter
 from ..errors import DFlashError
 from ..models.pair import load_pair
@@ -25,14 +26,17 @@ DEFAULT_METHODS = "mlx-lm,ar,dflash,ddtree:auto"
 WARMUP_TOKENS = 8
 
 
-# A method's name -> (the engine mode it runs, whether it takes :BUDGET, lookup tokens per branch)
+# A method's name -> (the engine mode it runs, whether it takes :BUDGET, lookup tokens per
+# branch, whether its lookup also reads the --lookup-corpus)
 METHODS = {
-    "mlx-lm": ("mlx-lm", False, 0),
-    "ar": ("ar", False, 0),
-    "dflash": ("dflash", False, 0),
-    "ddtree": ("ddtree", True, 0),
-    "ddtree+lookup": ("ddtree", True, DEFAULT_LOOKUP),
-    "lookup": ("lookup", True, DEFAULT_LOOKUP),
+    "mlx-lm": ("mlx-lm", False, 0, False),
+    "ar": ("ar", False, 0, False),
+    "dflash": ("dflash", False, 0, False),
+    "ddtree": ("ddtree", True, 0, False),
+    "ddtree+lookup": ("ddtree", True, DEFAULT_LOOKUP, False),
+    "lookup": ("lookup", True, DEFAULT_LOOKUP, False),
+    "ddtree+lookup+corpus": ("ddtree", True, DEFAULT_LOOKUP, True),
+    "lookup+corpus": ("lookup", True, DEFAULT_LOOKUP, True),
 }
 
 
@@ -42,25 +46,30 @@ class Method:
     mode: str  # "mlx-lm" | "ar" | "dflash" | "ddtree" | "lookup"
     budget: int | str = 16
     lookup: int = 0  # prompt-lookup tokens per branch (ddtree+lookup, lookup)
+    corpus: str | None = None  # the past answers its lookup also reads (the +corpus methods)
 
 
-def parse_methods(spec: str | list[str]) -> list[Method]:
+def parse_methods(spec: str | list[str], corpus: str | None = None) -> list[Method]:
     """`mlx-lm,ar,dflash,ddtree:4,ddtree:auto,lookup,ddtree+lookup:auto` -> Methods (ddtree
-    alone means budget 16; lookup takes a budget too: auto sizes its branches)."""
+    alone means budget 16; lookup takes a budget too: auto sizes its branches). The `+corpus`
+    methods read `corpus` too (engine/corpus.py)."""
     items = spec.split(",") if isinstance(spec, str) else [s for x in spec for s in x.split(",")]
     out: list[Method] = []
     for item in (s.strip() for s in items):
         if not item:
             continue
         name, _, arg = item.partition(":")
-        mode, budgeted, look = METHODS.get(name, (None, False, 0))
-        if mode is not None and (budgeted or not arg):
-            out.append(Method(item, mode, parse_budget(arg or "16"), look))
-        else:
+        mode, budgeted, look, reads = METHODS.get(name, (None, False, 0, False))
+        if mode is None or (arg and not budgeted):
             raise DFlashError(
                 f"Unknown method '{item}' (use mlx-lm, ar, dflash, ddtree[:BUDGET], "
-                "lookup[:BUDGET] or ddtree+lookup[:BUDGET])."
+                "lookup[:BUDGET], ddtree+lookup[:BUDGET], or either lookup with +corpus)."
             )
+        if reads and not corpus:
+            raise DFlashError(f"Method '{item}' reads a corpus: give --lookup-corpus FILE.")
+        if reads:
+            load_corpus(corpus)  # a bad file is one sentence before any model loads
+        out.append(Method(item, mode, parse_budget(arg or "16"), look, corpus if reads else None))
     if not out:
         raise DFlashError("--methods names no method.")
     labels = [m.label for m in out]
@@ -195,6 +204,7 @@ def run_method(
         run = run_mlx_lm(target, ids, cfg)
     else:
         changes = {"mode": method.mode, "budget": method.budget, "lookup": method.lookup}
+        changes["lookup_corpus"] = method.corpus
         cfg = GenerationConfig(**{**vars(cfg), **changes})
         run = run_engine(target, runner, ids, cfg, session)
     run.peak_memory = mx.get_peak_memory()
@@ -253,6 +263,7 @@ def run_bench(
     system: str | None = None,
     context: int | None = None,
     profile: bool = False,
+    lookup_corpus: str | None = None,
     progress=None,
 ) -> dict[str, Any]:
     """Run every method on every prompt of every dataset; return the results as a dict.
@@ -265,7 +276,7 @@ def run_bench(
     the device's (slower: nothing overlaps).
     """
     asked = {k: v for k, v in locals().items() if k not in ("model", "drafter", "data_dir")}
-    meths = parse_methods(methods)
+    meths = parse_methods(methods, lookup_corpus)
     names = _dataset_names(datasets)
     prompt_sets = {n: load_prompts(n, data_dir, limit) for n in names}
     grammars = {n: load_grammars(n, len(ps)) for n, ps in prompt_sets.items()}

@@ -22,7 +22,8 @@ def bench_command(
     methods: str = typer.Option(
         DEFAULT_METHODS,
         "--methods",
-        help="Comma list: mlx-lm, ar, dflash, ddtree:BUDGET|auto, lookup[:auto], ddtree+lookup[:auto].",
+        help="Comma list: mlx-lm, ar, dflash, ddtree:BUDGET|auto, lookup[:auto], "
+        "ddtree+lookup[:auto]; lookup+corpus / ddtree+lookup+corpus with --lookup-corpus.",
     ),
     dataset: list[str] = typer.Option(
         ["gsm8k"],
@@ -53,6 +54,12 @@ def bench_command(
         False,
         "--profile",
         help="Split each round into draft / verify / host / Python time (syncs every phase).",
+    ),
+    lookup_corpus: str = typer.Option(
+        None,
+        "--lookup-corpus",
+        help="The target's past answers (JSONL of token lists) that the +corpus methods "
+        "(lookup+corpus, ddtree+lookup+corpus) also look up in.",
     ),
     out: Path = typer.Option(
         None, "--out", "-o", help="JSON results (default: bench-results/bench-<timestamp>.json)."

@@ -171,6 +171,7 @@ def chat_command(
     block_size: int = opts.BLOCK_SIZE,
     budget: str = opts.BUDGET,
     lookup: int = opts.LOOKUP,
+    lookup_corpus: str = opts.LOOKUP_CORPUS,
     chat_template: bool = opts.CHAT_TEMPLATE,
     system: str = opts.SYSTEM,
     thinking: bool = opts.THINKING,
@@ -179,7 +180,7 @@ def chat_command(
     from .. import distributed
 
     cfg = opts.generation_config(
-        max_tokens, temp, top_p, top_k, seed, mode, block_size, budget, lookup
+        max_tokens, temp, top_p, top_k, seed, mode, block_size, budget, lookup, lookup_corpus
     )
     world = distributed.init()  # several ranks under mlx.launch: a sharded target
     target, runner = load_pair(model, drafter, mode, world)

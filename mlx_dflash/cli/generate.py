@@ -28,6 +28,7 @@ def generate_command(
     block_size: int = opts.BLOCK_SIZE,
     budget: str = opts.BUDGET,
     lookup: int = opts.LOOKUP,
+    lookup_corpus: str = opts.LOOKUP_CORPUS,
     chat_template: bool = opts.CHAT_TEMPLATE,
     system: str = opts.SYSTEM,
     thinking: bool = opts.THINKING,
@@ -41,7 +42,7 @@ def generate_command(
     if prompt == "-":
         prompt = sys.stdin.read()
     cfg = opts.generation_config(
-        max_tokens, temp, top_p, top_k, seed, mode, block_size, budget, lookup
+        max_tokens, temp, top_p, top_k, seed, mode, block_size, budget, lookup, lookup_corpus
     )
     cfg = dataclasses.replace(cfg, grammar=opts.grammar_spec(json_schema, regex, lark))
     world = distributed.init()  # several ranks under mlx.launch: a sharded target

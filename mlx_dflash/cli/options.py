@@ -40,6 +40,13 @@ LOOKUP = typer.Option(
     "(ddtree: default 10 with --budget auto, which cuts branches that do not pay; 0 with a "
     "fixed budget) or are the draft (--mode lookup; default 10).",
 )
+LOOKUP_CORPUS = typer.Option(
+    None,
+    "--lookup-corpus",
+    help='JSONL of the target\'s past answers ({"tokens": [...]} a line, as `train` writes '
+    "them; .gz too): where the text has no match, their continuations join the lookup "
+    "branches (docs/lookup.md).",
+)
 
 
 JSON_SCHEMA = typer.Option(
@@ -82,11 +89,13 @@ def grammar_spec(json_schema: str | None, regex: str | None, lark: str | None):
 
 
 def generation_config(
-    max_tokens, temp, top_p, top_k, seed, mode, block_size, budget, lookup=None
+    max_tokens, temp, top_p, top_k, seed, mode, block_size, budget, lookup=None, corpus=None
 ) -> GenerationConfig:
     """The engine settings behind the shared flags, checked before any model is loaded (the
-    stop tokens are the tokenizer's, set once it is)."""
-    return GenerationConfig(
+    stop tokens are the tokenizer's, set once it is; a lookup corpus is read and indexed)."""
+    from ..engine.corpus import load_corpus
+
+    cfg = GenerationConfig(
         max_tokens=max_tokens,
         sampling=SamplingParams(temp, top_p, top_k),
         seed=seed,
@@ -94,7 +103,11 @@ def generation_config(
         block_size=block_size,
         budget=budget,
         lookup=default_lookup(mode, budget) if lookup is None else lookup,
+        lookup_corpus=corpus,
     )
+    if corpus:
+        load_corpus(corpus)
+    return cfg
 
 
 def slow_verify_note(target, model: str | None, mode: str) -> str | None:

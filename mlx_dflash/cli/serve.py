@@ -31,6 +31,7 @@ def serve_command(
     block_size: int = opts.BLOCK_SIZE,
     budget: str = opts.BUDGET,
     lookup: int = opts.LOOKUP,
+    lookup_corpus: str = opts.LOOKUP_CORPUS,
     temp: float = opts.TEMP,
     top_p: float = opts.TOP_P,
     top_k: int = opts.TOP_K,
@@ -63,7 +64,7 @@ def serve_command(
     from ..server.http import App, ServerConfig, make_server
 
     cfg = opts.generation_config(
-        max_tokens, temp, top_p, top_k, None, mode, block_size, budget, lookup
+        max_tokens, temp, top_p, top_k, None, mode, block_size, budget, lookup, lookup_corpus
     )
     world = distributed.init()  # several ranks under mlx.launch: rank 0 serves HTTP
     target, runner = load_pair(model, drafter, mode, world)
@@ -89,8 +90,7 @@ def serve_command(
         server = make_server(app, host, port, verbose)
     except OSError as e:
         raise DFlashError(f"Cannot listen on {host}:{port}: {e.strerror or e}.") from None
-    bound = server.server_address[1]
-    base_url = f"http://{host}:{bound}/v1"
+    base_url = f"http://{host}:{server.server_address[1]}/v1"
     print(f"Serving '{served}' ({mode}) on {base_url} - OpenAI base_url {base_url}; Ctrl-C stops.",
           file=sys.stderr, flush=True)  # fmt: skip
     try:

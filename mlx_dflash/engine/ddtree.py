@@ -14,9 +14,10 @@ import numpy as np
 
 from .budget import AutoBudget, FixedBudget
 from .contract import Drafter
+from .corpus import load_corpus
 from .grammar import Grammar, grammar_tree, grammar_walk, prune_tree, with_certain_run
 from .lattice import lattice_tree
-from .lookup import LookupStats, PromptLookup
+from .lookup import MAX_BRANCHES, LookupStats, PromptLookup
 from .rounds import plain_round, token_logprobs
 from .session import GenerationConfig, Round, Session
 from .tree import Tree, build_tree, graft, root_only, top_candidates, walk
@@ -48,6 +49,11 @@ class DDTree:
         self.lookup_len = cfg.lookup
         self.lookup = PromptLookup() if cfg.lookup > 0 else None
         self.lookup_stats = LookupStats()
+        # The past answers' branches stand in where the text at hand has none; they are
+        # accepted at their own rate, so they are cut by their own counts.
+        self.corpus = load_corpus(cfg.lookup_corpus) if self.lookup and cfg.lookup_corpus else None
+        self.corpus_stats = LookupStats()
+        self.chain_stats = self.lookup_stats  # the counts this round's branches came with
         self.logprobs = cfg.logprobs
         self.budgets: list[int] = []  # each verified tree's size (bench and tests read them)
 
@@ -94,7 +100,7 @@ class DDTree:
         if self.logprobs is not None:
             lps = token_logprobs(logits, path, out, self.logprobs, masks or None)
         for chain in chains:
-            self.lookup_stats.record(chain, out)
+            self.chain_stats.record(chain, out)
         t3 = time.perf_counter()
         drafted = n_drafted if self.drafter is not None else 0
         if drafting:
@@ -199,9 +205,13 @@ class DDTree:
         assert lookup is not None
         done = len(lookup.tokens)
         lookup.extend([*tokens[done:], last] if done <= len(tokens) else [])
-        chains = lookup.branches(min(self.lookup_len, room))
+        length = min(self.lookup_len, room)
+        chains, self.chain_stats = lookup.branches(length), self.lookup_stats
+        if not chains and self.corpus is not None:
+            chains = self.corpus.branches(lookup.tokens, length, MAX_BRANCHES)
+            self.chain_stats = self.corpus_stats
         drafted = drafting and self.drafter is not None
-        return self.policy.cut_lookup(tree, chains, self.lookup_stats, drafted)
+        return self.policy.cut_lookup(tree, chains, self.chain_stats, drafted)
 
     def _lookup_alone(self, last: int, room: int) -> tuple[Tree, list[list[int]]] | None:
         """This round without a drafter pass (its base tree and cut lookup branches), where
@@ -210,7 +220,7 @@ class DDTree:
             return None
         base = self._base_tree(last, room)
         chains = self._lookup_chains(base, last, room, drafting=False)
-        if chains and self.policy.lookup_suffices(base, chains, self.lookup_stats):
+        if chains and self.policy.lookup_suffices(base, chains, self.chain_stats):
             return base, chains
         return None
 

@@ -22,7 +22,7 @@ import json
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
@@ -31,6 +31,9 @@ from ..errors import DFlashError
 from .sampling import SamplingParams, draw, token_probs
 from .tree import Tree, graft
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")
 
 # JSON whitespace as llama.cpp's schema grammars bound it: a run of at most 20 spaces or tabs,
@@ -38,10 +41,12 @@ GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")
 # lets a model that prefers whitespace loop there until max_tokens (the 0.5B coder does, after
 # `"steps":`): bounded, the grammar forces the next token of the value instead. A schema whose
 # "x-guidance" says anything about whitespace keeps its own choice (`json_defaults`).
-JSON_DEFAULTS = {"whitespace_pattern": r"[\x20\x09]{1,20}|(?:\r?\n[\x20\x09]{0,20})"}
+JSON_DEFAULTS: JsonCompileOptions = {
+    "whitespace_pattern": r"[\x20\x09]{1,20}|(?:\r?\n[\x20\x09]{0,20})"
+}
 
 
-def json_defaults(schema: dict) -> dict | None:
+def json_defaults(schema: dict) -> JsonCompileOptions | None:
     """Our bounded whitespace, unless the schema's llguidance options choose whitespace."""
     own = schema.get("x-guidance")
     if isinstance(own, dict) and {"whitespace_pattern", "whitespace_flexible"} & own.keys():

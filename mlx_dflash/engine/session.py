@@ -70,6 +70,9 @@ class GenerationConfig:
     budget: int | str = 16  # DDTree node budget, or "auto"
     branching: int | None = None  # DDTree: max children per node (None: the budget; 1: a chain)
     lookup: int = 0  # prompt lookup: tokens per branch joining the tree (0: none)
+    # Lookup in the target's past answers where the text at hand has no match (corpus.py):
+    # a JSONL file of {"tokens": [...]} lines; None: the text at hand only.
+    lookup_corpus: str | None = None
     prefill_chunk: int = 512
     # Report each emitted token's log-probability under the target, with this many top
     # alternatives (None: off). Costs one more small sync a round; acceptance is unchanged.
@@ -95,6 +98,11 @@ class GenerationConfig:
             raise DFlashError(f"logprobs must be 0..{MAX_TOP_LOGPROBS} alternatives.")
         if self.mode == "lookup" and not self.lookup:
             self.lookup = DEFAULT_LOOKUP
+        if self.lookup_corpus and not self.lookup:
+            raise DFlashError(
+                "A lookup corpus (--lookup-corpus) feeds lookup branches: use --mode lookup, or "
+                "--mode ddtree with --budget auto or --lookup N."
+            )
 
     @property
     def uses_drafter(self) -> bool:

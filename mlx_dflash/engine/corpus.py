@@ -1,0 +1,146 @@
+"""Answer corpus: lookup branches from the target's past answers (docs/lookup.md).
+
+Prompt lookup copies from the text at hand; a model also repeats itself *across* answers: the
+same openings ("Here's a Python function that"), the same idioms (`for i in range(len(`),
+the same fences and test scaffolds. SuffixDecoding (Oliaro et al., 2024; vLLM's `suffix`
+method) drafts from a suffix index over earlier outputs for that reason. Here the corpus is a
+file of token sequences the same target wrote (the `answers.jsonl` that `dflash-mlx train`
+writes, or any JSONL with a `tokens` list a line). Where the text at hand has no match, the
+continuations of the longest suffix n-gram that the corpus holds join the tree as lookup
+branches, the most frequent first; the budget cuts them by their own measured acceptance.
+
+The index is numpy arrays, not a dict of tuples: one sorted array of 64-bit n-gram hashes per
+n, with the positions after them (about 16 bytes per token per n; a 370K-token corpus indexes
+in well under a second). Hash matches are checked against the tokens, so a collision costs a
+lookup, never a wrong draft (and no draft can be wrong for the output: the verify decides).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import DFlashError
+
+MAX_NGRAM = 8  # a corpus is large: longer contexts pick continuations more precisely
+MIN_NGRAM = 3  # 2-grams match nearly anywhere in a corpus, and mostly mislead
+MAX_OCCURRENCES = 256  # the most recent occurrences counted per query
+_SEP = -1  # between two answers: no n-gram or continuation crosses it
+_MUL = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _hashes(tokens: np.ndarray, n: int) -> np.ndarray:
+    """hash of tokens[e - n : e] at index e - n (uint64, wrapping): one per n-gram start."""
+    t = tokens.astype(np.int64).astype(np.uint64)
+    m = len(t) - n + 1
+    if m <= 0:
+        return np.zeros(0, dtype=np.uint64)
+    h = np.zeros(m, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for k in range(n):
+            h = h * _MUL + t[k : k + m] + np.uint64(1)
+    return h
+
+
+def _hash(tokens: list[int]) -> np.uint64:
+    return _hashes(np.array(tokens, dtype=np.int64), len(tokens))[0]
+
+
+class AnswerCorpus:
+    """An n-gram index over many token sequences, queried with the text's last tokens."""
+
+    def __init__(self, sequences: list[list[int]]):
+        parts = []
+        for s in sequences:
+            parts += [np.asarray(s, dtype=np.int64), np.array([_SEP])]
+        self.tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        self.keys: dict[int, np.ndarray] = {}
+        self.ends: dict[int, np.ndarray] = {}
+        for n in range(MIN_NGRAM, MAX_NGRAM + 1):
+            h = _hashes(self.tokens, n)
+            ok = np.ones(len(h), dtype=bool)
+            for k in range(n):  # n-grams across a separator never match a query
+                ok &= self.tokens[k : k + len(h)] != _SEP
+            starts = np.nonzero(ok)[0]
+            order = np.argsort(h[starts], kind="stable")  # by hash, then position
+            self.keys[n] = h[starts][order]
+            self.ends[n] = (starts + n)[order]
+
+    def __len__(self) -> int:
+        return int((self.tokens != _SEP).sum())
+
+    def branches(self, context: list[int], max_len: int, max_branches: int) -> list[list[int]]:
+        """Up to `max_branches` distinct continuations (at most `max_len` tokens each) of the
+        longest suffix of `context` (MAX_NGRAM down to MIN_NGRAM tokens) the corpus holds,
+        ranked by how often the corpus continued that way (each prefix's count summed)."""
+        if max_len < 1:
+            return []
+        for n in range(min(MAX_NGRAM, len(context)), MIN_NGRAM - 1, -1):
+            suffix = np.asarray(context[-n:], dtype=np.int64)
+            keys = self.keys[n]
+            h = _hash(context[-n:])
+            lo, hi = np.searchsorted(keys, h, "left"), np.searchsorted(keys, h, "right")
+            near = self.ends[n][max(lo, hi - MAX_OCCURRENCES) : hi]
+            ends = [int(e) for e in near if np.array_equal(self.tokens[e - n : e], suffix)]
+            found = self._ranked(ends, max_len, max_branches)
+            if found:
+                return found
+        return []
+
+    def _ranked(self, ends: list[int], max_len: int, max_branches: int) -> list[list[int]]:
+        counts: Counter[tuple[int, ...]] = Counter()
+        chains = []
+        for e in ends:
+            chain = tuple(self.tokens[e : e + max_len].tolist())
+            if _SEP in chain:
+                chain = chain[: chain.index(_SEP)]
+            chains.append(chain)
+            for k in range(1, len(chain) + 1):
+                counts[chain[:k]] += 1
+
+        def score(c: tuple[int, ...]) -> int:
+            return sum(counts[c[:k]] for k in range(1, len(c) + 1))
+
+        distinct = sorted({c for c in chains if c}, key=lambda c: (-score(c), c))
+        return [list(c) for c in distinct[:max_branches]]
+
+
+_LOADED: dict[tuple[str, float], AnswerCorpus] = {}
+
+
+def load_corpus(path: str | os.PathLike) -> AnswerCorpus:
+    """The corpus in a JSONL file (gzip or not) of `{"tokens": [...]}` lines, indexed once per
+    file version; a missing or malformed file is one sentence."""
+    p = Path(path)
+    if not p.is_file():
+        raise DFlashError(f"The lookup corpus {p} does not exist.")
+    key = (str(p.resolve()), p.stat().st_mtime)
+    if key not in _LOADED:
+        opener = gzip.open if p.suffix == ".gz" else open
+        seqs = []
+        try:
+            with opener(p, "rt", encoding="utf-8") as f:
+                for i, line in enumerate(f, 1):
+                    if line.strip():
+                        seqs.append(_tokens(json.loads(line), p, i))
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise DFlashError(f"The lookup corpus {p} cannot be read: {e}.") from None
+        if not seqs:
+            raise DFlashError(f"The lookup corpus {p} holds no answers.")
+        _LOADED.clear()  # one corpus in memory at a time
+        _LOADED[key] = AnswerCorpus(seqs)
+    return _LOADED[key]
+
+
+def _tokens(record, path: Path, line: int) -> list[int]:
+    toks = record.get("tokens") if isinstance(record, dict) else None
+    if not isinstance(toks, list) or not all(isinstance(t, int) and t >= 0 for t in toks):
+        raise DFlashError(
+            f"Line {line} of the lookup corpus {path} has no 'tokens' list of token ids."
+        )
+    return toks

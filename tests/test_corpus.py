@@ -1,0 +1,156 @@
+"""Lookup in the target's past answers (engine/corpus.py): the index finds what it should, its
+branches stay exact in every tree mode, and bad corpus input is one sentence."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+from oracle import OracleDrafter, diversify
+from test_engine import mlx_lm_greedy, run
+
+from mlx_dflash.benchmark.runner import parse_methods
+from mlx_dflash.engine import GenerationConfig, Session
+from mlx_dflash.engine import corpus as corpus_mod
+from mlx_dflash.engine.corpus import AnswerCorpus, load_corpus
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.models.target import Target
+from mlx_dflash.models.tiny import HYBRID_TYPES, TARGET_TYPES, load_module, tiny_target_config
+
+N = 40
+
+
+def test_branches_are_the_longest_matchs_continuations_most_frequent_first():
+    c = AnswerCorpus([[1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [1, 2, 3, 9, 9], [7, 2, 3, 6, 6]])
+    assert c.branches([0, 1, 2, 3], 2, 3) == [[4, 5], [9, 9]]
+    assert c.branches([0, 1, 2, 3], 5, 1) == [[4, 5]]  # an answer's end cuts a branch
+    assert c.branches([7, 2, 3], 4, 3) == [[6, 6]]  # the longer suffix [7, 2, 3] decides
+    # [5, 2, 3] is not in the corpus and [2, 3] is shorter than MIN_NGRAM: no branch
+    assert c.branches([5, 2, 3], 4, 3) == [] and c.branches([2, 3], 4, 3) == []
+    assert c.branches([1, 2, 3], 0, 3) == [] and len(c) == 20
+
+
+def test_no_ngram_or_branch_crosses_two_answers():
+    c = AnswerCorpus([[1, 2, 3], [4, 5, 6, 7]])
+    assert AnswerCorpus([[1, 2]]).branches([1, 2], 4, 3) == []  # shorter than any n-gram
+    assert c.branches([1, 2, 3], 4, 3) == []  # [1, 2, 3] ended its answer
+    assert c.branches([3, 4, 5], 4, 3) == []  # [3 | 4, 5] spans two answers
+    assert c.branches([4, 5, 6], 4, 3) == [[7]]
+
+
+def test_hash_collisions_never_become_branches(monkeypatch):
+    """With a multiplier of 0 every n-gram's hash is its last token's: each query finds many
+    candidates, and only true matches may survive."""
+    monkeypatch.setattr(corpus_mod, "_MUL", np.uint64(0))
+    c = AnswerCorpus([[1, 2, 3, 4], [9, 8, 3, 5], [7, 7, 3, 6]])
+    assert c.branches([1, 2, 3], 2, 3) == [[4]]
+    assert c.branches([0, 0, 3], 2, 3) == []
+
+
+def _write(path, seqs):
+    with gzip.open(path, "wt") as f:
+        for s in seqs:
+            f.write(json.dumps({"id": 0, "tokens": s}) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "text, reason",
+    [
+        ("{nope\n", "cannot be read"),
+        ('{"text": "hi"}\n', "no 'tokens' list"),
+        ('{"tokens": [1, -2]}\n', "no 'tokens' list"),
+        ("\n", "holds no answers"),
+    ],
+)
+def test_bad_corpus_files_are_one_sentence(tmp_path, text, reason):
+    p = tmp_path / "c.jsonl"
+    p.write_text(text)
+    with pytest.raises(DFlashError, match=reason):
+        load_corpus(p)
+    with pytest.raises(DFlashError, match="does not exist"):
+        load_corpus(tmp_path / "missing.jsonl")
+
+
+def test_a_corpus_needs_lookup_branches(tmp_path):
+    with pytest.raises(DFlashError, match="lookup corpus"):
+        GenerationConfig(mode="dflash", lookup_corpus="x.jsonl")
+    with pytest.raises(DFlashError, match="lookup corpus"):
+        GenerationConfig(mode="ddtree", budget=8, lookup_corpus="x.jsonl")
+    with pytest.raises(DFlashError, match="--lookup-corpus"):
+        parse_methods("mlx-lm,ddtree+lookup+corpus:auto")
+    path = _write(tmp_path / "c.jsonl.gz", [[1, 2, 3, 4]])
+    m = parse_methods("lookup+corpus:auto,ddtree+lookup:auto", path)
+    assert [x.corpus for x in m] == [path, None]
+    with pytest.raises(DFlashError, match="does not exist"):
+        parse_methods("lookup+corpus", str(tmp_path / "none.jsonl"))
+
+
+@pytest.fixture(scope="module", params=TARGET_TYPES + HYBRID_TYPES)
+def target(request):
+    cfg = tiny_target_config(request.param)
+    mod = load_module(request.param)
+    model = mod.Model(mod.ModelArgs.from_dict(cfg))
+    diversify(model, gain=1.0, seed=5)
+    return Target(model, None, cfg)
+
+
+def _corpus_for(tmp_path, prompt, ref, vocab):
+    """Past answers: the target's own answer after the prompt's last tokens, a wrong answer
+    after the same tokens (twice, so it ranks first where both match), and noise."""
+    rng = np.random.default_rng(0)
+    wrong = [int(t) for t in rng.integers(0, vocab, N)]
+    noise = [[int(t) for t in rng.integers(0, vocab, 64)] for _ in range(20)]
+    seqs = [prompt[-4:] + wrong, prompt[-4:] + wrong, prompt[-4:] + ref, *noise]
+    return _write(tmp_path / "answers.jsonl.gz", seqs)
+
+
+@pytest.mark.parametrize(
+    "mode, budget", [("lookup", 16), ("lookup", "auto"), ("ddtree", 4), ("ddtree", "auto")]
+)
+def test_corpus_branches_are_exact_and_accepted(target, tmp_path, mode, budget):
+    """Exact in every tree mode; at a fixed budget (which verifies every branch) the corpus's
+    copy of the answer is taken. (Auto may cut corpus branches at their measured rate.)"""
+    rng = np.random.default_rng(1)
+    prompt = [int(t) for t in rng.permutation(target.vocab_size - 1)[:24]]  # no repeat in it
+    ref = mlx_lm_greedy(target, prompt, N)
+    path = _corpus_for(tmp_path, prompt, ref, target.vocab_size)
+    drafter = None
+    if mode == "ddtree":
+        target.set_taps([1, 3])
+        drafter = OracleDrafter(prompt + ref, target.vocab_size, block_size=8, corrupt=0.9, seed=2)
+    kw = dict(max_tokens=N, mode=mode, budget=budget, lookup=8)
+    out, taus = run(Session(target, drafter), prompt, **kw, lookup_corpus=path)
+    alone, taus_alone = run(Session(target, drafter), prompt, **kw)
+    assert out == ref and alone == ref
+    if budget != "auto":
+        assert len(taus) < len(taus_alone), "no corpus draft was taken"
+
+
+def test_generate_and_bench_read_a_corpus(run_cli, tmp_path):
+    """The embedded pair: generate's answer with a corpus of an earlier answer is plain
+    decoding's, and a corpus outside a lookup mode is one sentence before any model loads."""
+    args = ("generate", "-p", "Once upon a time", "-n", "48", "--json")
+    code, out, err = run_cli(*args, "--mode", "ar")
+    assert code == 0, err
+    plain = json.loads(out)["text"]
+    from mlx_dflash.models.target import load_target
+    from mlx_dflash.paths import DEFAULT_TARGET
+
+    tok = load_target(DEFAULT_TARGET).tokenizer
+    path = _write(tmp_path / "a.jsonl.gz", [tok.encode("Once upon a time" + plain)] * 2)
+    code, out, err = run_cli(*args, "--mode", "lookup", "--lookup-corpus", path)
+    assert code == 0, err
+    assert json.loads(out)["text"] == plain and json.loads(out)["mean_tau"] > 1.2
+    code, out, err = run_cli(*args, "--mode", "dflash", "--lookup-corpus", path)
+    assert code != 0 and "lookup corpus" in err and "Traceback" not in err
+    code, out, err = run_cli(
+        "bench", "--methods", "mlx-lm,lookup+corpus", "--limit", "1", "-n", "16",
+        "--lookup-corpus", path, "--no-plot", "--out", tmp_path / "b.json",
+    )  # fmt: skip
+    assert code == 0, err
+    results = json.loads((tmp_path / "b.json").read_text())
+    assert {r["method"] for r in results["results"]} == {"mlx-lm", "lookup+corpus"}
+    assert results["identical"]["identical"]
