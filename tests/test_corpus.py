@@ -18,6 +18,7 @@ from mlx_dflash.engine.corpus import AnswerCorpus, load_corpus
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.target import Target
 from mlx_dflash.models.tiny import HYBRID_TYPES, TARGET_TYPES, load_module, tiny_target_config
+from mlx_dflash.paths import ASSETS
 
 N = 40
 
@@ -154,3 +155,34 @@ def test_generate_and_bench_read_a_corpus(run_cli, tmp_path):
     results = json.loads((tmp_path / "b.json").read_text())
     assert {r["method"] for r in results["results"]} == {"mlx-lm", "lookup+corpus"}
     assert results["identical"]["identical"]
+
+
+def test_a_drafter_folders_corpus_is_the_default(run_cli, tmp_path):
+    """A drafter that ships its target's answers (`lookup-corpus.jsonl.gz`, as the SmolLM2 and
+    coder drafters do) lends them to lookup unless --lookup-corpus says otherwise."""
+    import shutil
+
+    from mlx_dflash.cli.options import CORPUS_FILE, default_corpus, generation_config
+    from mlx_dflash.models.pair import load_pair
+    from mlx_dflash.paths import DEFAULT_DRAFTER, DEFAULT_TARGET
+
+    folder = tmp_path / "drafter"
+    shutil.copytree(DEFAULT_DRAFTER, folder)
+    shipped = _write(folder / CORPUS_FILE, [[1, 2, 3, 4, 5]])
+    other = _write(tmp_path / "mine.jsonl.gz", [[5, 6, 7, 8]])
+    _, runner = load_pair(str(DEFAULT_TARGET), str(folder), "ddtree")
+
+    def corpus(mode, budget, given=None):
+        cfg = generation_config(32, 0.0, 1.0, 0, 0, mode, None, budget, None, given)
+        return default_corpus(cfg, runner).lookup_corpus
+
+    assert corpus("ddtree", "auto") == shipped and corpus("lookup", "16") == shipped
+    assert corpus("ddtree", "auto", other) == other and not corpus("ddtree", "auto", "none")
+    assert corpus("dflash", "16") is None and corpus("ddtree", "8") is None  # no lookup there
+    assert CORPUS_FILE in {p.name for p in ASSETS.glob("*/*")}, "no shipped drafter has one"
+    args = ("generate", "-p", "Once upon a time", "-n", "32", "--json", "-d", folder)
+    code, out, err = run_cli(*args, "--mode", "ddtree", "--budget", "auto")
+    code_ar, out_ar, _ = run_cli(*args, "--mode", "ar")
+    assert code == 0 == code_ar, err
+    assert json.loads(out)["lookup_corpus"] == shipped
+    assert json.loads(out)["text"] == json.loads(out_ar)["text"]

@@ -184,6 +184,7 @@ def chat_command(
     )
     world = distributed.init()  # several ranks under mlx.launch: a sharded target
     target, runner = load_pair(model, drafter, mode, world)
+    cfg = opts.default_corpus(cfg, runner)
     if world.is_main:
         opts.print_slow_verify_note(target, model, mode)
     cfg = dataclasses.replace(cfg, stop_ids=stop_ids(target.tokenizer))

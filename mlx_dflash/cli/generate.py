@@ -47,6 +47,7 @@ def generate_command(
     cfg = dataclasses.replace(cfg, grammar=opts.grammar_spec(json_schema, regex, lark))
     world = distributed.init()  # several ranks under mlx.launch: a sharded target
     target, runner = load_pair(model, drafter, mode, world)
+    cfg = opts.default_corpus(cfg, runner)
     if world.is_main:
         opts.print_slow_verify_note(target, model, mode)
     ids = encode_prompt(target.tokenizer, prompt, chat_template, system, thinking)
@@ -68,6 +69,7 @@ def generate_command(
             "drafter": None
             if ran is None
             else {**ran.cfg.describe(), "block_used": ran.block_size},
+            "lookup_corpus": cfg.lookup_corpus or None,
             "world_size": world.size,
             "host_decisions": {"broadcasts": world.collectives, "bytes": world.bytes_agreed},
         }

@@ -3,6 +3,9 @@ settings they make."""
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import typer
 
 from ..engine import GenerationConfig, SamplingParams
@@ -45,8 +48,9 @@ LOOKUP_CORPUS = typer.Option(
     "--lookup-corpus",
     help='JSONL of the target\'s past answers ({"tokens": [...]} a line, as `train` writes '
     "them; .gz too): where the text has no match, their continuations join the lookup "
-    "branches (docs/lookup.md).",
+    "branches (docs/lookup.md). Default: the drafter's own, where it ships one; 'none': off.",
 )
+CORPUS_FILE = "lookup-corpus.jsonl.gz"  # in a drafter folder: its target's answers
 
 
 JSON_SCHEMA = typer.Option(
@@ -64,7 +68,6 @@ LARK = typer.Option(
 
 def grammar_spec(json_schema: str | None, regex: str | None, lark: str | None):
     """The grammar the flags ask for (None: free text), its files read and checked here."""
-    from pathlib import Path
 
     from ..engine.grammar import GrammarSpec
 
@@ -95,6 +98,7 @@ def generation_config(
     stop tokens are the tokenizer's, set once it is; a lookup corpus is read and indexed)."""
     from ..engine.corpus import load_corpus
 
+    corpus = "" if corpus == "none" else corpus  # "": no corpus, not even the drafter's
     cfg = GenerationConfig(
         max_tokens=max_tokens,
         sampling=SamplingParams(temp, top_p, top_k),
@@ -108,6 +112,16 @@ def generation_config(
     if corpus:
         load_corpus(corpus)
     return cfg
+
+
+def default_corpus(cfg: GenerationConfig, runner) -> GenerationConfig:
+    """The drafter folder's lookup corpus (the answers of the target it was trained on, as the
+    shipped drafters carry them), where lookup runs and no --lookup-corpus was given."""
+    folder = getattr(getattr(runner, "drafter", None), "folder", None)
+    if not cfg.lookup or cfg.lookup_corpus is not None or folder is None:
+        return cfg
+    path = Path(folder) / CORPUS_FILE
+    return dataclasses.replace(cfg, lookup_corpus=str(path)) if path.is_file() else cfg
 
 
 def slow_verify_note(target, model: str | None, mode: str) -> str | None:

@@ -68,6 +68,7 @@ def serve_command(
     )
     world = distributed.init()  # several ranks under mlx.launch: rank 0 serves HTTP
     target, runner = load_pair(model, drafter, mode, world)
+    cfg = opts.default_corpus(cfg, runner)  # (the engine config every request starts from)
     if world.is_main:
         opts.print_slow_verify_note(target, model, mode)
     served = name or (Path(model).name if model else "stories260K")
@@ -84,8 +85,7 @@ def serve_command(
     )
     app = App(target, runner if cfg.uses_drafter else None, cfg, config, world)
     if not world.is_main:
-        app.worker.follow(app.base)
-        return
+        return app.worker.follow(app.base)
     try:
         server = make_server(app, host, port, verbose)
     except OSError as e:

@@ -421,6 +421,7 @@ def load_drafter(
     except (ValueError, RuntimeError) as e:
         raise DFlashError(f"Could not load the drafter weights in {path}: {e}") from None
     model.draft_vocab = read_draft_vocab(path, cfg.vocab_size)
+    model.folder = path  # (a lookup corpus shipped beside it: cli/options.default_corpus)
     return model
 
 
