@@ -24,6 +24,14 @@ def target(request, tmp_path_factory):
     return attention_target(request.param, tmp_path_factory.mktemp(request.param))
 
 
+def close(a, b) -> bool:
+    """Equal up to float32 rounding: BLAS sums a 5-row and a 36-row matmul in different
+    orders, and the taps (hidden states up to ~150 in these models) round at ~1e-6 of their
+    scale; a wrong mask or row would be off by O(1)."""
+    a, b = np.array(a), np.array(b)
+    return np.allclose(a, b, atol=2e-4 + 1e-5 * float(np.abs(b).max(initial=0.0)), rtol=1e-4)
+
+
 def sessions(target):
     """Three caches after their prompts, and a fresh one."""
     caches = []
@@ -55,10 +63,10 @@ def test_each_row_gets_its_own_forward(target):
         assert (l1 is None) == (l2 is None) and (t1 is None) == (t2 is None)
         if l1 is not None:
             assert l1.shape == l2.shape
-            assert np.allclose(np.array(l1), np.array(l2), atol=2e-4, rtol=1e-4)
+            assert close(l1, l2)
             assert (mx.argmax(l1, -1) == mx.argmax(l2, -1)).all().item()
         if t1 is not None:
-            assert np.allclose(np.array(t1), np.array(t2), atol=2e-4, rtol=1e-4)
+            assert close(t1, t2)
     # The caches hold what each row's own forward wrote: the next step agrees too.
     steps = [Pass(mx.array([90]), c, len(p) + n, logits="last", taps=False)
              for c, p, n in zip(packed_caches, PROMPTS + [[]], (5, 7, 1, 12), strict=True)]  # fmt: skip
@@ -68,7 +76,7 @@ def test_each_row_gets_its_own_forward(target):
     for step, ref_cache in zip(steps, ref_caches, strict=True):
         got, _ = target.forward(step.tokens, step.cache, step.start, logits="last", taps=False)
         want, _ = target.forward(step.tokens, ref_cache, step.start, logits="last", taps=False)
-        assert np.allclose(np.array(got), np.array(want), atol=2e-4, rtol=1e-4)
+        assert close(got, want)
 
 
 def test_rows_sharing_a_kv_arena_get_their_own_forward(target):
@@ -124,11 +132,11 @@ def test_rows_sharing_a_kv_arena_get_their_own_forward(target):
     for (l1, t1), (l2, t2) in zip(want, got, strict=True):
         assert (l1 is None) == (l2 is None)
         if l1 is not None:
-            assert np.allclose(np.array(l1), np.array(l2), atol=2e-4, rtol=1e-4)
+            assert close(l1, l2)
         if t1 is not None:
-            assert np.allclose(np.array(t1), np.array(t2), atol=2e-4, rtol=1e-4)
+            assert close(t1, t2)
     for l1, l2 in zip(want2, got2, strict=True):
-        assert np.allclose(np.array(l1), np.array(l2), atol=2e-4, rtol=1e-4)
+        assert close(l1, l2)
         assert (mx.argmax(l1, -1) == mx.argmax(l2, -1)).all().item()
     if not any(adopted):  # no plain KV layer: nothing moved
         return
