@@ -191,30 +191,16 @@ def test_a_drafter_folders_corpus_is_the_default(run_cli, tmp_path):
 def test_corpus_branches_keep_sampling_lossless(monkeypatch, tmp_path):
     """Every token has continuations in the corpus (1-grams count), so nearly every round
     verifies corpus branches; the sampled tokens must still follow the target exactly."""
-    import test_sampling
-    from test_sampling import V, chi2_pvalue, exact_marginals
+    from test_lookup import assert_lossless, sampling_target
+    from test_sampling import V
 
     from mlx_dflash.engine.sampling import SamplingParams
 
     monkeypatch.setattr(corpus_mod, "MIN_NGRAM", 1)
-    cfg = tiny_target_config("llama", vocab_size=V, num_hidden_layers=2)
-    mod = load_module("llama")
-    model = mod.Model(mod.ModelArgs.from_dict(cfg))
-    diversify(model, gain=1.0, seed=3)
-    target = Target(model, None, cfg)
     rng = np.random.default_rng(7)
     prompt = [int(t) for t in rng.permutation(V)]
     path = _write(tmp_path / "c.jsonl.gz", [[int(t) for t in rng.integers(0, V, 400)]])
-    sampling, depth, samples, taus = SamplingParams(1.0), 3, [], []
-    for seed in range(1500):
-        gen = GenerationConfig(
-            max_tokens=depth, sampling=sampling, seed=seed, mode="lookup", lookup_corpus=path
-        )
-        out, t = run(Session(target), prompt, **vars(gen))
-        samples.append(out)
-        taus += t
-    samples = np.array(samples)
-    assert 1.0 < np.mean(taus), "corpus branches were never accepted"
-    monkeypatch.setattr(test_sampling, "PROMPT", prompt)
-    for k, expected in enumerate(exact_marginals(target, sampling, depth)):
-        assert chi2_pvalue(samples[:, k], expected) > 1e-3, f"token {k + 1} is biased"
+    assert_lossless(
+        monkeypatch, sampling_target(), prompt, SamplingParams(1.0), "corpus branches",
+        lookup_corpus=path,
+    )  # fmt: skip

@@ -186,31 +186,42 @@ def test_lookup_needs_a_tree_mode():
     assert GenerationConfig(mode="lookup").lookup > 0
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(1.0), SamplingParams(0.8, 0.9, 6)])
-def test_lookup_sampling_matches_target(monkeypatch, sampling):
-    """Every token of the vocabulary has earlier continuations (unigram lookup), so each round
-    verifies lookup branches; the emitted tokens must still follow the target exactly."""
-    monkeypatch.setattr(lookup_mod, "MIN_NGRAM", 1)
+def sampling_target() -> Target:
+    """A 2-layer llama over test_sampling's small vocabulary, whose exact marginals the
+    chi-square checks compare with."""
     cfg = tiny_target_config("llama", vocab_size=V, num_hidden_layers=2)
     mod = load_module("llama")
     model = mod.Model(mod.ModelArgs.from_dict(cfg))
     diversify(model, gain=1.0, seed=3)
-    target = Target(model, None, cfg)
-    rng = np.random.default_rng(7)
-    prompt = [int(t) for t in itertools.chain(rng.permutation(V), rng.permutation(V))]
-    depth, samples, taus = 3, [], []
+    return Target(model, None, cfg)
+
+
+def assert_lossless(monkeypatch, target, prompt, sampling, what: str, depth=3, **cfg):
+    """1500 sampled generations of `depth` tokens in --mode lookup (plus `cfg`): `what`
+    drafts were accepted, and each position's tokens follow the target's exact marginals."""
+    samples, taus = [], []
     for seed in range(1500):
-        gen = GenerationConfig(max_tokens=depth, sampling=sampling, seed=seed, mode="lookup")
+        gen = GenerationConfig(max_tokens=depth, sampling=sampling, seed=seed, mode="lookup", **cfg)
         out, t = run(Session(target), prompt, **vars(gen))
         samples.append(out)
         taus += t
     samples = np.array(samples)
-    assert 1.0 < np.mean(taus), "lookup branches were never accepted"
+    assert 1.0 < np.mean(taus), f"{what} were never accepted"
     import test_sampling
 
     monkeypatch.setattr(test_sampling, "PROMPT", prompt)
     for k, expected in enumerate(exact_marginals(target, sampling, depth)):
         assert chi2_pvalue(samples[:, k], expected) > 1e-3, f"token {k + 1} is biased"
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(1.0), SamplingParams(0.8, 0.9, 6)])
+def test_lookup_sampling_matches_target(monkeypatch, sampling):
+    """Every token of the vocabulary has earlier continuations (unigram lookup), so each round
+    verifies lookup branches; the emitted tokens must still follow the target exactly."""
+    monkeypatch.setattr(lookup_mod, "MIN_NGRAM", 1)
+    rng = np.random.default_rng(7)
+    prompt = [int(t) for t in itertools.chain(rng.permutation(V), rng.permutation(V))]
+    assert_lossless(monkeypatch, sampling_target(), prompt, sampling, "lookup branches")
 
 
 def test_rounds_index_exactly_the_text_so_far(target, monkeypatch):
