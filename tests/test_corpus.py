@@ -180,6 +180,13 @@ def test_a_drafter_folders_corpus_is_the_default(run_cli, tmp_path):
     assert corpus("ddtree", "auto", other) == other and not corpus("ddtree", "auto", "none")
     assert corpus("dflash", "16") is None and corpus("ddtree", "8") is None  # no lookup there
     assert CORPUS_FILE in {p.name for p in ASSETS.glob("*/*")}, "no shipped drafter has one"
+    broken = tmp_path / "broken"
+    shutil.copytree(DEFAULT_DRAFTER, broken)
+    (broken / CORPUS_FILE).write_bytes(b"not gzip")
+    _, broken_runner = load_pair(str(DEFAULT_TARGET), str(broken), "ddtree")
+    cfg = generation_config(32, 0.0, 1.0, 0, 0, "ddtree", None, "auto", None, None)
+    with pytest.raises(DFlashError, match="cannot be read"):
+        default_corpus(cfg, broken_runner)
     args = ("generate", "-p", "Once upon a time", "-n", "32", "--json", "-d", folder)
     code, out, err = run_cli(*args, "--mode", "ddtree", "--budget", "auto")
     code_ar, out_ar, _ = run_cli(*args, "--mode", "ar")

@@ -65,9 +65,9 @@ def parse_methods(spec: str | list[str], corpus: str | None = None) -> list[Meth
                 f"Unknown method '{item}' (use mlx-lm, ar, dflash, ddtree[:BUDGET], "
                 "lookup[:BUDGET], ddtree+lookup[:BUDGET], or either lookup with +corpus)."
             )
-        if reads and not corpus:
-            raise DFlashError(f"Method '{item}' reads a corpus: give --lookup-corpus FILE.")
         if reads:
+            if not corpus:
+                raise DFlashError(f"Method '{item}' reads a corpus: give --lookup-corpus FILE.")
             load_corpus(corpus)  # a bad file is one sentence before any model loads
         out.append(Method(item, mode, parse_budget(arg or "16"), look, corpus if reads else None))
     if not out:

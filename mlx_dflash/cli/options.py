@@ -116,12 +116,18 @@ def generation_config(
 
 def default_corpus(cfg: GenerationConfig, runner) -> GenerationConfig:
     """The drafter folder's lookup corpus (the answers of the target it was trained on, as the
-    shipped drafters carry them), where lookup runs and no --lookup-corpus was given."""
+    shipped drafters carry them), where lookup runs and no --lookup-corpus was given; read
+    and indexed here, as a given one is, so a damaged file stops before any output."""
+    from ..engine.corpus import load_corpus
+
     folder = getattr(getattr(runner, "drafter", None), "folder", None)
     if not cfg.lookup or cfg.lookup_corpus is not None or folder is None:
         return cfg
     path = Path(folder) / CORPUS_FILE
-    return dataclasses.replace(cfg, lookup_corpus=str(path)) if path.is_file() else cfg
+    if not path.is_file():
+        return cfg
+    load_corpus(path)
+    return dataclasses.replace(cfg, lookup_corpus=str(path))
 
 
 def slow_verify_note(target, model: str | None, mode: str) -> str | None:

@@ -34,21 +34,13 @@ _SEP = -1  # between two answers: no n-gram or continuation crosses it
 _MUL = np.uint64(0x9E3779B97F4A7C15)
 
 
-def _hashes(tokens: np.ndarray, n: int) -> np.ndarray:
-    """hash of tokens[e - n : e] at index e - n (uint64, wrapping): one per n-gram start."""
-    t = tokens.astype(np.int64).astype(np.uint64)
-    m = len(t) - n + 1
-    if m <= 0:
-        return np.zeros(0, dtype=np.uint64)
-    h = np.zeros(m, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        for k in range(n):
-            h = h * _MUL + t[k : k + m] + np.uint64(1)
-    return h
-
-
 def _hash(tokens: list[int]) -> np.uint64:
-    return _hashes(np.array(tokens, dtype=np.int64), len(tokens))[0]
+    """The index's hash of one n-gram (AnswerCorpus builds all of them at once)."""
+    h = np.uint64(0)
+    with np.errstate(over="ignore"):
+        for x in tokens:
+            h = h * _MUL + np.uint64(x) + np.uint64(1)
+    return h
 
 
 class AnswerCorpus:
@@ -61,15 +53,19 @@ class AnswerCorpus:
         self.tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         self.keys: dict[int, np.ndarray] = {}
         self.ends: dict[int, np.ndarray] = {}
-        for n in range(MIN_NGRAM, MAX_NGRAM + 1):
-            h = _hashes(self.tokens, n)
-            ok = np.ones(len(h), dtype=bool)
-            for k in range(n):  # n-grams across a separator never match a query
-                ok &= self.tokens[k : k + len(h)] != _SEP
-            starts = np.nonzero(ok)[0]
-            order = np.argsort(h[starts], kind="stable")  # by hash, then position
-            self.keys[n] = h[starts][order]
-            self.ends[n] = (starts + n)[order]
+        t = self.tokens.astype(np.uint64)
+        h = np.zeros(len(t), dtype=np.uint64)  # h[s]: hash of the n tokens from s (as _hash)
+        ok = np.ones(len(t), dtype=bool)  # no separator among them
+        for n in range(1, MAX_NGRAM + 1):
+            m = max(len(t) - n + 1, 0)
+            with np.errstate(over="ignore"):
+                h = h[:m] * _MUL + t[n - 1 :] + np.uint64(1)
+            ok = ok[:m] & (self.tokens[n - 1 :] != _SEP)
+            if n >= MIN_NGRAM:
+                starts = np.nonzero(ok)[0]
+                order = np.argsort(h[starts], kind="stable")  # by hash, then position
+                self.keys[n] = h[starts][order]
+                self.ends[n] = (starts + n)[order]
 
     def __len__(self) -> int:
         return int((self.tokens != _SEP).sum())
