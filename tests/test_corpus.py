@@ -50,6 +50,67 @@ def test_hash_collisions_never_become_branches(monkeypatch):
     assert c.branches([0, 0, 3], 2, 3) == []
 
 
+def _same_index(a: AnswerCorpus, b: AnswerCorpus) -> bool:
+    return (
+        np.array_equal(a.tokens, b.tokens)
+        and a.keys.keys() == b.keys.keys()
+        and all(np.array_equal(a.keys[n], b.keys[n]) for n in a.keys)
+        and all(np.array_equal(a.ends[n], b.ends[n]) for n in a.ends)
+    )
+
+
+def test_answers_added_one_at_a_time_index_as_if_read_together():
+    """serve adds each answer it finishes: the merged index must be the one built from all
+    answers at once (same hashes, same order: newest last within a hash), and the copy it
+    grows must leave the file's corpus as read. Small alphabet: many equal n-grams."""
+    rng = np.random.default_rng(3)
+    seqs = [[int(t) for t in rng.integers(0, 4, rng.integers(1, 30))] for _ in range(40)]
+    base = AnswerCorpus(seqs[:10])
+    grown = base.copy()
+    for s in seqs[10:]:
+        grown.add(s)
+    grown.add([])  # (an empty answer adds nothing)
+    assert _same_index(grown, AnswerCorpus(seqs))
+    assert _same_index(base, AnswerCorpus(seqs[:10]))
+    empty = AnswerCorpus([])
+    assert empty.branches([1, 2, 3], 4, 2) == [] and len(empty) == 0
+    empty.add([5, 6, 7, 8, 9])
+    assert empty.branches([0, 5, 6, 7], 4, 2) == [[8, 9]]
+
+
+def test_a_growing_corpus_keeps_its_newest_answers(monkeypatch):
+    monkeypatch.setattr(corpus_mod, "MAX_TOKENS", 40)
+    seqs = [[i] * 9 for i in range(1, 8)]  # 10 tokens each with the separator
+    c = AnswerCorpus([])
+    for s in seqs:
+        c.add(s)
+    assert len(c.tokens) <= 40 and c.branches([7, 7, 7], 2, 1) == [[7, 7]]
+    assert _same_index(c, AnswerCorpus(seqs[-(len(c.tokens) // 10) :]))
+    assert c.branches([1, 1, 1], 2, 1) == []  # the oldest left
+
+
+def test_served_answers_join_the_corpus(folders_for_serve):
+    """A server in a lookup mode starts from its corpus (here none: empty) and adds every
+    answer it serves; the same question again is drafted from the first answer."""
+    import urllib.request
+
+    from test_serve import post, serving
+
+    with serving(folders_for_serve, None, "lookup") as (app, url):
+        body = {"messages": [{"role": "user", "content": "Tell me a story."}],
+                "max_tokens": 40, "temperature": 0}  # fmt: skip
+        code, first = post(url, "/v1/chat/completions", body)
+        assert code == 200, first
+        with urllib.request.urlopen(url + "/health") as r:
+            size = json.loads(r.read())["lookup_corpus_tokens"]
+        assert size == first["usage"]["completion_tokens"] > 8
+        code, again = post(url, "/v1/chat/completions", body)
+        text = [x["choices"][0]["message"]["content"] for x in (first, again)]
+        assert text[0] == text[1]
+        assert again["dflash"]["rounds"] < first["dflash"]["rounds"], (first, again)
+        assert len(app.corpus) == 2 * size
+
+
 def _write(path, seqs):
     with gzip.open(path, "wt") as f:
         for s in seqs:
@@ -87,6 +148,17 @@ def test_a_corpus_needs_lookup_branches(tmp_path):
     assert [x.corpus for x in m] == [path, None]
     with pytest.raises(DFlashError, match="does not exist"):
         parse_methods("lookup+corpus", str(tmp_path / "none.jsonl"))
+    grown = parse_methods("lookup+corpus,ddtree+lookup+corpus:auto", None, grows=True)
+    assert all(isinstance(x.corpus, AnswerCorpus) and len(x.corpus) == 0 for x in grown)
+    assert grown[0].corpus is not grown[1].corpus  # each method's answers its own
+    assert len(parse_methods("lookup+corpus", path, grows=True)[0].corpus) == 4
+
+
+@pytest.fixture(scope="module")
+def folders_for_serve(tmp_path_factory):
+    from mlx_dflash.models.tiny import write_tiny_target
+
+    return str(write_tiny_target(tmp_path_factory.mktemp("serve") / "target", "qwen3"))
 
 
 @pytest.fixture(scope="module", params=TARGET_TYPES + HYBRID_TYPES)
@@ -155,6 +227,12 @@ def test_generate_and_bench_read_a_corpus(run_cli, tmp_path):
     results = json.loads((tmp_path / "b.json").read_text())
     assert {r["method"] for r in results["results"]} == {"mlx-lm", "lookup+corpus"}
     assert results["identical"]["identical"]
+    code, out, err = run_cli(
+        "bench", "--methods", "mlx-lm,lookup+corpus", "--limit", "2", "-n", "16",
+        "--grow-corpus", "--no-plot", "--out", tmp_path / "g.json",
+    )  # fmt: skip
+    grown = json.loads((tmp_path / "g.json").read_text())
+    assert code == 0 and grown["identical"]["identical"] and grown["settings"]["grow_corpus"]
 
 
 def test_a_drafter_folders_corpus_is_the_default(run_cli, tmp_path):

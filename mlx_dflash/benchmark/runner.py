@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine import GenerationConfig, SamplingParams, Session, Stats, parse_budget, stream_generate
-from ..engine.corpus import load_corpus
+from ..engine.corpus import AnswerCorpus, live_corpus, load_corpus
 from ..engine.session import DEFAULT_LOOKUP, uses_drafter
 from ..errors import DFlashError
 from ..models.pair import load_pair
@@ -46,13 +46,18 @@ class Method:
     mode: str  # "mlx-lm" | "ar" | "dflash" | "ddtree" | "lookup"
     budget: int | str = 16
     lookup: int = 0  # prompt-lookup tokens per branch (ddtree+lookup, lookup)
-    corpus: str | None = None  # the past answers its lookup also reads (the +corpus methods)
+    # The past answers its lookup also reads (the +corpus methods); an AnswerCorpus of its
+    # own grows with its answers (--grow-corpus).
+    corpus: str | AnswerCorpus | None = None
 
 
-def parse_methods(spec: str | list[str], corpus: str | None = None) -> list[Method]:
+def parse_methods(
+    spec: str | list[str], corpus: str | None = None, grows: bool = False
+) -> list[Method]:
     """`mlx-lm,ar,dflash,ddtree:4,ddtree:auto,lookup,ddtree+lookup:auto` -> Methods (ddtree
     alone means budget 16; lookup takes a budget too: auto sizes its branches). The `+corpus`
-    methods read `corpus` too (engine/corpus.py)."""
+    methods read `corpus` too (engine/corpus.py); with `grows`, each its own copy (empty
+    without `corpus`) that its answers join as they come, as serve's does."""
     items = spec.split(",") if isinstance(spec, str) else [s for x in spec for s in x.split(",")]
     out: list[Method] = []
     for item in (s.strip() for s in items):
@@ -65,11 +70,17 @@ def parse_methods(spec: str | list[str], corpus: str | None = None) -> list[Meth
                 f"Unknown method '{item}' (use mlx-lm, ar, dflash, ddtree[:BUDGET], "
                 "lookup[:BUDGET], ddtree+lookup[:BUDGET], or either lookup with +corpus)."
             )
-        if reads:
+        source: str | AnswerCorpus | None = None
+        if reads and grows:
+            source = live_corpus(corpus)  # (a bad file is one sentence before any model loads)
+        elif reads:
             if not corpus:
-                raise DFlashError(f"Method '{item}' reads a corpus: give --lookup-corpus FILE.")
-            load_corpus(corpus)  # a bad file is one sentence before any model loads
-        out.append(Method(item, mode, parse_budget(arg or "16"), look, corpus if reads else None))
+                raise DFlashError(
+                    f"Method '{item}' reads a corpus: give --lookup-corpus FILE or --grow-corpus."
+                )
+            load_corpus(corpus)
+            source = corpus
+        out.append(Method(item, mode, parse_budget(arg or "16"), look, source))
     if not out:
         raise DFlashError("--methods names no method.")
     labels = [m.label for m in out]
@@ -264,6 +275,7 @@ def run_bench(
     context: int | None = None,
     profile: bool = False,
     lookup_corpus: str | None = None,
+    grow_corpus: bool = False,
     progress=None,
 ) -> dict[str, Any]:
     """Run every method on every prompt of every dataset; return the results as a dict.
@@ -273,10 +285,9 @@ def run_bench(
     our engine's methods then share one prefill per prompt (a 16K-token prefill takes minutes
     on a CPU), and each reports the prefill it did itself.
     `profile`: sync after each phase of a round, so draft / verify / host / Python times are
-    the device's (slower: nothing overlaps).
-    """
+    the device's (slower: nothing overlaps). `grow_corpus`: see parse_methods."""
     asked = {k: v for k, v in locals().items() if k not in ("model", "drafter", "data_dir")}
-    meths = parse_methods(methods, lookup_corpus)
+    meths = parse_methods(methods, lookup_corpus, grow_corpus)
     names = _dataset_names(datasets)
     prompt_sets = {n: load_prompts(n, data_dir, limit) for n in names}
     grammars = {n: load_grammars(n, len(ps)) for n, ps in prompt_sets.items()}
@@ -364,6 +375,8 @@ def _run_all(
                 run = run_method(m, target, runner, ids, one, session)
                 runs[name][m.label].append(run)
                 outputs[name][i][m.label] = run.tokens
+                if isinstance(m.corpus, AnswerCorpus):  # --grow-corpus: for the next prompts
+                    m.corpus.add([t for t in run.tokens if t not in cfg.stop_ids])
                 if update:
                     update(f"{name} {i + 1}/{len(prompts)} {m.label}", 1)
     return runs, outputs

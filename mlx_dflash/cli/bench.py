@@ -61,6 +61,13 @@ def bench_command(
         help="The target's past answers (JSONL of token lists) that the +corpus methods "
         "(lookup+corpus, ddtree+lookup+corpus) also look up in.",
     ),
+    grow_corpus: bool = typer.Option(
+        False,
+        "--grow-corpus",
+        help="Each answer of a +corpus method joins its corpus before the next prompt, as "
+        "serve's corpus grows with the answers it serves (empty at first without "
+        "--lookup-corpus).",
+    ),
     out: Path = typer.Option(
         None, "--out", "-o", help="JSON results (default: bench-results/bench-<timestamp>.json)."
     ),

@@ -48,7 +48,8 @@ LOOKUP_CORPUS = typer.Option(
     "--lookup-corpus",
     help='JSONL of the target\'s past answers ({"tokens": [...]} a line, as `train` writes '
     "them; .gz too): where the text has no match, their continuations join the lookup "
-    "branches (docs/lookup.md). Default: the drafter's own, where it ships one; 'none': off.",
+    "branches (docs/lookup.md). Default: the drafter's own, where it ships one; 'none': off. "
+    "serve adds each answer it serves (in memory).",
 )
 CORPUS_FILE = "lookup-corpus.jsonl.gz"  # in a drafter folder: its target's answers
 

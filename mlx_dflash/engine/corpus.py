@@ -30,6 +30,9 @@ from ..errors import DFlashError
 MAX_NGRAM = 8  # a corpus is large: longer contexts pick continuations more precisely
 MIN_NGRAM = 3  # 2-grams match nearly anywhere in a corpus, and mostly mislead
 MAX_OCCURRENCES = 256  # the most recent occurrences counted per query
+# A corpus that grows (serve adds each answer) keeps its newest tokens up to this many: about
+# 100 bytes of index a token, and each answer's merge copies the arrays once.
+MAX_TOKENS = 4_000_000
 _SEP = -1  # between two answers: no n-gram or continuation crosses it
 _MUL = np.uint64(0x9E3779B97F4A7C15)
 
@@ -47,6 +50,9 @@ class AnswerCorpus:
     """An n-gram index over many token sequences, queried with the text's last tokens."""
 
     def __init__(self, sequences: list[list[int]]):
+        self._build(sequences)
+
+    def _build(self, sequences: list[list[int]]) -> None:
         parts = []
         for s in sequences:
             parts += [np.asarray(s, dtype=np.int64), np.array([_SEP])]
@@ -69,6 +75,35 @@ class AnswerCorpus:
 
     def __len__(self) -> int:
         return int((self.tokens != _SEP).sum())
+
+    def copy(self) -> AnswerCorpus:
+        """A corpus that can grow apart from this one (add() replaces arrays, never writes
+        into them, so the copy shares them until then)."""
+        twin = AnswerCorpus([])
+        twin.tokens, twin.keys, twin.ends = self.tokens, dict(self.keys), dict(self.ends)
+        return twin
+
+    def add(self, answer: list[int]) -> None:
+        """One more answer joins the index (serve adds each one it finishes, so an agent's
+        later calls find its earlier ones). Its n-grams are merged in after the equal ones
+        already there, which keeps each hash's run in position order (newest last). Past
+        MAX_TOKENS the oldest answers leave, by a rebuild from the newer half."""
+        if not answer:
+            return
+        new = AnswerCorpus([answer[-MAX_TOKENS // 4 :]])
+        if len(self.tokens) + len(new.tokens) > MAX_TOKENS:
+            seps = np.nonzero(self.tokens == _SEP)[0]  # (the last token is one)
+            cut = seps[np.searchsorted(seps, len(self.tokens) - MAX_TOKENS // 2)] + 1
+            kept = np.split(self.tokens[cut:], np.nonzero(self.tokens[cut:] == _SEP)[0] + 1)
+            self._build([[t for t in k.tolist() if t != _SEP] for k in kept if len(k) > 1])
+            self.add(answer[-MAX_TOKENS // 4 :])
+            return
+        offset = len(self.tokens)
+        self.tokens = np.concatenate([self.tokens, new.tokens])
+        for n in self.keys:
+            at = np.searchsorted(self.keys[n], new.keys[n], "right")
+            self.keys[n] = np.insert(self.keys[n], at, new.keys[n])
+            self.ends[n] = np.insert(self.ends[n], at, new.ends[n] + offset)
 
     def branches(self, context: list[int], max_len: int, max_branches: int) -> list[list[int]]:
         """Up to `max_branches` distinct continuations (at most `max_len` tokens each) of the
@@ -107,6 +142,23 @@ class AnswerCorpus:
 
 
 _LOADED: dict[tuple[str, float], AnswerCorpus] = {}
+
+
+def corpus_of(spec: str | AnswerCorpus | None) -> AnswerCorpus | None:
+    """GenerationConfig.lookup_corpus as an index: a file is read once per version (shared,
+    never changed here); an AnswerCorpus is the caller's own, which may grow between
+    generations (serve's); None or "" is no corpus."""
+    if spec is None or isinstance(spec, AnswerCorpus):
+        return spec
+    return load_corpus(spec) if spec else None
+
+
+def live_corpus(spec: str | None) -> AnswerCorpus | None:
+    """A corpus of the caller's own that starts as the file's answers (or empty) and grows:
+    a copy, so the file's shared index stays as read. None for "" (no corpus at all)."""
+    if spec == "":
+        return None
+    return load_corpus(spec).copy() if spec else AnswerCorpus([])
 
 
 def load_corpus(path: str | os.PathLike) -> AnswerCorpus:

@@ -14,7 +14,7 @@ import numpy as np
 
 from .budget import AutoBudget, FixedBudget
 from .contract import Drafter
-from .corpus import load_corpus
+from .corpus import corpus_of
 from .grammar import Grammar, grammar_tree, grammar_walk, prune_tree, with_certain_run
 from .lattice import lattice_tree
 from .lookup import MAX_BRANCHES, LookupStats, PromptLookup
@@ -51,7 +51,7 @@ class DDTree:
         self.lookup_stats = LookupStats()
         # The past answers' branches stand in where the text at hand has none; they are
         # accepted at their own rate, so they are cut by their own counts.
-        self.corpus = load_corpus(cfg.lookup_corpus) if self.lookup and cfg.lookup_corpus else None
+        self.corpus = corpus_of(cfg.lookup_corpus) if self.lookup else None
         self.corpus_stats = LookupStats()
         self.chain_stats = self.lookup_stats  # the counts this round's branches came with
         self.logprobs = cfg.logprobs

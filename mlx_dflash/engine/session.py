@@ -11,6 +11,7 @@ import mlx.core as mx
 
 from ..errors import DFlashError
 from .contract import Drafter, TargetModel
+from .corpus import AnswerCorpus
 from .grammar import GrammarSpec
 from .sampling import SamplingParams
 
@@ -71,8 +72,9 @@ class GenerationConfig:
     branching: int | None = None  # DDTree: max children per node (None: the budget; 1: a chain)
     lookup: int = 0  # prompt lookup: tokens per branch joining the tree (0: none)
     # Lookup in the target's past answers where the text at hand has no match (corpus.py):
-    # a JSONL file of {"tokens": [...]} lines; None: the text at hand only.
-    lookup_corpus: str | None = None
+    # a JSONL file of {"tokens": [...]} lines, or an AnswerCorpus of the caller's (serve's
+    # grows with its answers); None or "": the text at hand only.
+    lookup_corpus: str | AnswerCorpus | None = None
     prefill_chunk: int = 512
     # Report each emitted token's log-probability under the target, with this many top
     # alternatives (None: off). Costs one more small sync a round; acceptance is unchanged.
@@ -98,7 +100,7 @@ class GenerationConfig:
             raise DFlashError(f"logprobs must be 0..{MAX_TOP_LOGPROBS} alternatives.")
         if self.mode == "lookup" and not self.lookup:
             self.lookup = DEFAULT_LOOKUP
-        if self.lookup_corpus and not self.lookup:
+        if self.lookup_corpus not in (None, "") and not self.lookup:
             raise DFlashError(
                 "A lookup corpus (--lookup-corpus) feeds lookup branches: use --mode lookup, or "
                 "--mode ddtree with --budget auto or --lookup N."

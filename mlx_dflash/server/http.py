@@ -9,6 +9,7 @@ streaming); either way its job is cancelled and the worker moves on.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import queue
 import select
@@ -21,6 +22,7 @@ from typing import Any
 
 from ..distributed import LOCAL
 from ..engine import GenerationConfig, SamplingParams
+from ..engine.corpus import live_corpus
 from ..errors import DFlashError
 from ..prompts import has_template, render, stop_ids
 from . import protocol as P
@@ -66,6 +68,9 @@ class App:
 
     def __init__(self, target, runner, base: GenerationConfig, config: ServerConfig, world=LOCAL):
         self.target, self.tokenizer, self.config = target, target.tokenizer, config
+        if base.lookup:  # the corpus grows with the answers served (Worker._run adds each)
+            base = dataclasses.replace(base, lookup_corpus=live_corpus(base.lookup_corpus))
+        self.corpus = base.lookup_corpus if base.lookup else None
         self.base = GenerationConfig(
             **{**vars(base), "stop_ids": stop_ids(target.tokenizer), "max_tokens": 1}
         )
@@ -339,6 +344,7 @@ class Handler(BaseHTTPRequestHandler):
                     "max_batch": app.worker.max_batch,
                     "queued": app.worker.waiting,
                     "cached_prefixes": len(app.pool.idle),
+                    "lookup_corpus_tokens": None if app.corpus is None else len(app.corpus),
                 },
             )
         if not self._authorized():

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from ..distributed import LOCAL
 from ..engine import GenerationConfig, SamplingParams, Stats, stream_generate
 from ..engine.batch import BatchedTarget, Batcher
+from ..engine.corpus import AnswerCorpus
 from ..engine.device import wired
 from ..engine.session import uses_drafter
 from ..errors import DFlashError
@@ -198,6 +199,7 @@ class Worker:
     def _run(self, job: Job) -> None:
         session, _ = self.pool.take(job.prompt, uses_drafter(self.mode))
         stats, tokens = Stats(), 0  # (stats: the last chunk's running totals)
+        answer: list[int] = []  # for the lookup corpus
         stops = StopStrings(job.stop)
         out = Output(job, self.target.tokenizer)
         finish, hit = None, None
@@ -209,7 +211,8 @@ class Worker:
         try:
             for chunk in gen:
                 stats = chunk.stats
-                tokens += sum(1 for t in chunk.tokens if t not in stop_ids)
+                answer += [t for t in chunk.tokens if t not in stop_ids]
+                tokens = len(answer)
                 if chunk.round.logprobs is not None:
                     pairs = zip(chunk.tokens, chunk.round.logprobs, strict=True)
                     kept = [(t, lp) for t, lp in pairs if t not in stop_ids]
@@ -230,6 +233,10 @@ class Worker:
         finally:
             gen.close()
             self.pool.give_back(session)
+            # Later requests look up in this answer (every rank of a sharded target adds the
+            # same one, so their trees stay the same); a copy of the server's, never a file's.
+            if isinstance(cfg.lookup_corpus, AnswerCorpus):
+                cfg.lookup_corpus.add(answer)
         if hit is None:
             out.feed(stops.flush())
         out.flush()
