@@ -41,6 +41,17 @@ def test_branches_follow_the_longest_earlier_suffix():
     assert look.branches(4) == []
 
 
+def test_echo_follows_the_last_token_alone():
+    """The last resort where no 2-gram matched: what followed the last token, newest first."""
+    look = PromptLookup()
+    look.sync([7, 1, 2, 9, 1, 3, 4, 8, 1])
+    assert look.branches(2) == []  # (8, 1) did not occur before
+    assert look.echo(2) == [[3, 4], [2, 9]]
+    assert look.echo(2, max_branches=1) == [[3, 4]] and look.echo(0) == []
+    look.sync([7, 1, 2, 9, 1, 3, 4, 8, 1, 5])
+    assert look.echo(3) == []  # 5 is new
+
+
 def test_sync_is_incremental():
     seq = list(np.random.default_rng(0).integers(0, 6, 200))
     a, b = PromptLookup(), PromptLookup()

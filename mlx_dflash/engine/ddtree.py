@@ -53,6 +53,7 @@ class DDTree:
         # accepted at their own rate, so they are cut by their own counts.
         self.corpus = corpus_of(cfg.lookup_corpus) if self.lookup else None
         self.corpus_stats = LookupStats()
+        self.echo_stats = LookupStats()  # PromptLookup.echo's
         self.chain_stats = self.lookup_stats  # the counts this round's branches came with
         self.logprobs = cfg.logprobs
         self.budgets: list[int] = []  # each verified tree's size (bench and tests read them)
@@ -210,6 +211,8 @@ class DDTree:
         if not chains and self.corpus is not None:
             chains = self.corpus.branches(lookup.tokens, length, MAX_BRANCHES)
             self.chain_stats = self.corpus_stats
+        if not chains:
+            chains, self.chain_stats = lookup.echo(length), self.echo_stats
         drafted = drafting and self.drafter is not None
         return self.policy.cut_lookup(tree, chains, self.chain_stats, drafted)
 

@@ -22,7 +22,7 @@ class PromptLookup:
 
     def __init__(self, max_ngram: int | None = None, min_ngram: int | None = None):
         self.max_ngram = max_ngram or MAX_NGRAM
-        self.min_ngram = min_ngram or MIN_NGRAM
+        self.min_ngram = min_ngram or MIN_NGRAM  # of branches(); 1-grams are indexed for echo()
         self.tokens: list[int] = []
         # n-gram -> positions just after its occurrences (where a continuation starts), in order
         self.index: dict[tuple[int, ...], list[int]] = defaultdict(list)
@@ -39,16 +39,26 @@ class PromptLookup:
         for tok in new:
             tokens.append(int(tok))
             end = len(tokens)
-            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
+            for n in range(1, min(self.max_ngram, end) + 1):
                 self.index[tuple(tokens[end - n : end])].append(end)
 
     def branches(self, max_len: int, max_branches: int = MAX_BRANCHES) -> list[list[int]]:
         """Up to `max_branches` distinct continuations (each at most `max_len` tokens) of the
         longest suffix n-gram seen before; the most recent occurrence first."""
+        return self._after(range(self.max_ngram, self.min_ngram - 1, -1), max_len, max_branches)
+
+    def echo(self, max_len: int, max_branches: int = MAX_BRANCHES) -> list[list[int]]:
+        """The continuations of the last token alone, newest first: the last resort, where no
+        longer suffix matched (here or in a corpus). Structure repeats after one token: in
+        JSON `",\n` is followed by the indent and a quote again, a list's newline by its
+        bullet. Too loose for branches(): its acceptance is counted apart (ddtree.py)."""
+        return self._after([1], max_len, max_branches)
+
+    def _after(self, sizes, max_len: int, max_branches: int) -> list[list[int]]:
         if max_len < 1:
             return []
         end = len(self.tokens)
-        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+        for n in sizes:
             if end < n:
                 continue
             found: list[list[int]] = []
