@@ -27,8 +27,8 @@ if [ ! -f "$R/gsm8k-drafter/model.safetensors" ]; then
         | tar -x --strip-components=3 -C "$R/gsm8k-drafter"
 fi
 if [ ! -s "$R/gsm8k-replay/answers.jsonl" ]; then
-    gunzip -c training/data/smollm2-gsm8k/answers.jsonl.gz | head -n 500 \
-        > "$R/gsm8k-replay/answers.jsonl"
+    gunzip -c training/data/smollm2-gsm8k/answers.jsonl.gz | sed -n 1,500p \
+        > "$R/gsm8k-replay/answers.jsonl"  # (head would end gunzip by SIGPIPE: pipefail)
 fi
 ARGS=(-m models/smollm2-135m-instruct-f32 --no-gen --answers "$R/gsm8k-replay/answers.jsonl"
       --cache-taps --loss-vocab corpus --negatives 1024 --batch 4 --anchors 32 --warmup 20
