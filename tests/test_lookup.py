@@ -235,6 +235,16 @@ def test_lookup_sampling_matches_target(monkeypatch, sampling):
     assert_lossless(monkeypatch, sampling_target(), prompt, sampling, "lookup branches")
 
 
+def test_echo_branches_keep_sampling_lossless(monkeypatch):
+    """A prompt of distinct tokens: no 2-gram repeats early, but every token occurred, so the
+    rounds verify echo branches (offered at a fixed budget here: only auto offers them)."""
+    from mlx_dflash.engine.budget import FixedBudget
+
+    monkeypatch.setattr(FixedBudget, "prices_lookup", True)
+    prompt = [int(t) for t in np.random.default_rng(8).permutation(V)]
+    assert_lossless(monkeypatch, sampling_target(), prompt, SamplingParams(1.0), "echo branches")
+
+
 def test_rounds_index_exactly_the_text_so_far(target, monkeypatch):
     """Each round appends only what it committed; the index must then hold the whole text
     (prompt, every emitted token, the newest one included) and nothing else."""

@@ -236,6 +236,8 @@ class Pacer:
 class FixedBudget:
     """`--budget N`: every round drafts, and the heap alone stops the tree at N nodes."""
 
+    prices_lookup = False  # cut_lookup keeps every branch: loose ones (echo) are not offered
+
     def __init__(self, budget: int):
         self.max_budget = budget
 
@@ -277,6 +279,8 @@ class AutoBudget:
     - `speed`: measured verify seconds against the profile's (running), which scales the
       cached profile to the machine as it runs now.
     """
+
+    prices_lookup = True  # cut_lookup weighs each source's branches by its own acceptance
 
     max_budget = AUTO_MAX_BUDGET
     batch = None  # a batched target's Batcher: its rounds then pay marginal costs

@@ -211,7 +211,7 @@ class DDTree:
         if not chains and self.corpus is not None:
             chains = self.corpus.branches(lookup.tokens, length, MAX_BRANCHES)
             self.chain_stats = self.corpus_stats
-        if not chains:
+        if not chains and self.policy.prices_lookup:  # (a fixed budget would verify them all)
             chains, self.chain_stats = lookup.echo(length), self.echo_stats
         drafted = drafting and self.drafter is not None
         return self.policy.cut_lookup(tree, chains, self.chain_stats, drafted)
