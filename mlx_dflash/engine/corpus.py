@@ -91,13 +91,11 @@ class AnswerCorpus:
         if not answer:
             return
         new = AnswerCorpus([answer[-MAX_TOKENS // 4 :]])
-        if len(self.tokens) + len(new.tokens) > MAX_TOKENS:
+        if len(self.tokens) + len(new.tokens) > MAX_TOKENS:  # keep the newer half, then merge
             seps = np.nonzero(self.tokens == _SEP)[0]  # (the last token is one)
             cut = seps[np.searchsorted(seps, len(self.tokens) - MAX_TOKENS // 2)] + 1
             kept = np.split(self.tokens[cut:], np.nonzero(self.tokens[cut:] == _SEP)[0] + 1)
             self._build([[t for t in k.tolist() if t != _SEP] for k in kept if len(k) > 1])
-            self.add(answer[-MAX_TOKENS // 4 :])
-            return
         offset = len(self.tokens)
         self.tokens = np.concatenate([self.tokens, new.tokens])
         for n in self.keys:

@@ -198,8 +198,8 @@ class Worker:
 
     def _run(self, job: Job) -> None:
         session, _ = self.pool.take(job.prompt, uses_drafter(self.mode))
-        stats, tokens = Stats(), 0  # (stats: the last chunk's running totals)
-        answer: list[int] = []  # for the lookup corpus
+        stats = Stats()  # (the last chunk's running totals)
+        answer: list[int] = []  # its tokens, stop tokens aside (the count, the lookup corpus)
         stops = StopStrings(job.stop)
         out = Output(job, self.target.tokenizer)
         finish, hit = None, None
@@ -212,7 +212,6 @@ class Worker:
             for chunk in gen:
                 stats = chunk.stats
                 answer += [t for t in chunk.tokens if t not in stop_ids]
-                tokens = len(answer)
                 if chunk.round.logprobs is not None:
                     pairs = zip(chunk.tokens, chunk.round.logprobs, strict=True)
                     kept = [(t, lp) for t, lp in pairs if t not in stop_ids]
@@ -251,7 +250,7 @@ class Worker:
         info.update(mode=self.mode, prompt_tps=d["prompt_tps"])
         info.update(time_prefill_s=d["time_prefill_s"], time_decode_s=stats.t_decode)
         done = Done(
-            finish or "length", hit, len(job.prompt), tokens, len(job.prompt) - stats.prompt_tokens,
+            finish or "length", hit, len(job.prompt), len(answer), len(job.prompt) - stats.prompt_tokens,
             info,
         )  # fmt: skip
         if self.on_done is not None:
