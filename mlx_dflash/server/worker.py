@@ -80,6 +80,9 @@ class Worker:
         self.served = 0
         self.finishes: list[str] = []  # how each job ended, in order (health, tests)
         self.on_done = None  # called with each job's Done (the server's metrics)
+        # Set while the worker waits for a job with nothing under way: every row has ended
+        # and left the batch's arena (a client has its answer a little before that).
+        self.quiet = threading.Event()
         self.thread = None
         if world.is_main:
             self.thread = threading.Thread(target=self._loop, name="dflash-worker", daemon=True)
@@ -139,6 +142,15 @@ class Worker:
     def busy(self) -> bool:
         return self.running > 0
 
+    def wait_quiet(self, timeout: float) -> bool:
+        """Wait until nothing is under way or waiting (False if `timeout` seconds pass)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.quiet.wait(deadline - time.monotonic()) and self.jobs.empty():
+                return True
+            time.sleep(0.01)
+        return False
+
     def stop(self) -> None:
         if self.thread is not None:
             self.jobs.put(None)
@@ -150,9 +162,13 @@ class Worker:
         while True:
             try:
                 with self.world.idle():
+                    if block:
+                        self.quiet.set()
                     job = self.jobs.get(block=block)
             except queue.Empty:
                 return False
+            finally:
+                self.quiet.clear()
             if job is None or not job.cancelled.is_set():
                 break
         if self.world.sharded:  # the spec's JSON is for followers; one process has none
