@@ -67,9 +67,10 @@ def test_answers_added_one_at_a_time_index_as_if_read_together():
     seqs = [[int(t) for t in rng.integers(0, 4, rng.integers(1, 30))] for _ in range(40)]
     base = AnswerCorpus(seqs[:10])
     grown = base.copy()
-    for s in seqs[10:]:
+    for s in seqs[10:30]:
         grown.add(s)
     grown.add([])  # (an empty answer adds nothing)
+    grown.extend(seqs[30:])  # (a kept log's answers join at once)
     assert _same_index(grown, AnswerCorpus(seqs))
     assert _same_index(base, AnswerCorpus(seqs[:10]))
     empty = AnswerCorpus([])
@@ -109,6 +110,117 @@ def test_served_answers_join_the_corpus(folders_for_serve):
         assert text[0] == text[1]
         assert again["dflash"]["rounds"] < first["dflash"]["rounds"], (first, again)
         assert len(app.corpus) == 2 * size
+
+
+def test_kept_answers_survive_a_restart(folders_for_serve, tmp_path):
+    """serve --keep-answers: the first server keeps its answer in the log (a header naming
+    the tokenizer, then one line an answer, readable by its owner only); a second server on
+    the same log starts with that answer in its corpus and drafts the same question from it."""
+    import os
+    import stat
+    import urllib.request
+
+    from test_serve import post, serving
+
+    log = tmp_path / "kept" / "answers.jsonl"
+    body = {"messages": [{"role": "user", "content": "Tell me a story."}],
+            "max_tokens": 40, "temperature": 0}  # fmt: skip
+    with serving(folders_for_serve, None, "lookup", keep_answers=str(log)) as (_, url):
+        code, first = post(url, "/v1/chat/completions", body)
+        assert code == 200, first
+    lines = log.read_text().splitlines()
+    assert len(lines) == 2 and corpus_mod.LOG_HEADER in json.loads(lines[0])
+    n = first["usage"]["completion_tokens"]
+    assert len(json.loads(lines[1])["tokens"]) == n
+    assert stat.S_IMODE(os.stat(log).st_mode) == 0o600
+    with serving(folders_for_serve, None, "lookup", keep_answers=str(log)) as (app, url):
+        with urllib.request.urlopen(url + "/health") as r:
+            assert json.loads(r.read())["lookup_corpus_tokens"] == n
+        code, again = post(url, "/v1/chat/completions", body)
+    text = [x["choices"][0]["message"]["content"] for x in (first, again)]
+    assert text[0] == text[1]
+    assert again["dflash"]["rounds"] < first["dflash"]["rounds"], (first, again)
+    assert len(log.read_text().splitlines()) == 3 and len(app.corpus) == 2 * n
+    assert len(load_corpus(log)) == 2 * n  # (the log is a corpus file too)
+
+
+def test_answer_log_damage_and_bounds(tmp_path, monkeypatch):
+    """A last line cut short (the server stopped mid-write) is dropped and the file mended;
+    damage before it, another tokenizer's log or a file that is no log is one sentence; a log
+    past MAX_TOKENS keeps its newest answers, as the corpus does."""
+    path = tmp_path / "log.jsonl"
+    log = corpus_mod.AnswerLog(path, "tok-a")
+    assert log.read() == []
+    log.start("m")
+    for a in ([1, 2, 3], [4, 5], [6, 7, 8, 9]):
+        log.append(a)
+    assert log.read() == [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    with open(path, "a") as f:
+        f.write('{"tokens": [10, 1')
+    assert log.read() == [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    log.append([11])
+    assert log.read() == [[1, 2, 3], [4, 5], [6, 7, 8, 9], [11]]
+    with pytest.raises(DFlashError, match="another tokenizer"):
+        corpus_mod.AnswerLog(path, "tok-b").read()
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([lines[0], "{oops", *lines[1:]]) + "\n")
+    with pytest.raises(DFlashError, match="Line 2 of the answer log"):
+        log.read()
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"tokens": [1]}\n')
+    with pytest.raises(DFlashError, match="not an answer log"):
+        corpus_mod.AnswerLog(other, "tok-a").read()
+    monkeypatch.setattr(corpus_mod, "MAX_TOKENS", 20)
+    path.unlink()
+    log.start("m")
+    for i in range(1, 8):
+        log.append([i] * 4)  # 5 tokens each with the separator
+    assert log.read() == [[6] * 4, [7] * 4]  # the newest half of 20 tokens
+    assert len(path.read_text().splitlines()) == 3  # (rewritten: it stays bounded)
+
+
+def test_every_rank_gets_rank_0s_kept_answers(tmp_path):
+    """A sharded server: rank 0 reads the log and sends its answers (the other ranks may run on
+    Macs without the file), so every rank's corpus, and so every rank's tree, is the same;
+    only rank 0 appends to the log."""
+    from mlx_dflash.server.kept_answers import open_answer_log, tokenizer_id
+
+    class Tok:
+        def get_vocab(self):
+            return {"a": 0, "b": 1}
+
+    class World:
+        sharded = True
+
+        def __init__(self, is_main, sent):
+            self.is_main, self.sent = is_main, sent
+
+        def agree_seq(self, values):
+            if self.is_main:
+                self.sent.append(list(values))
+            return np.array(self.sent[0])
+
+    log = corpus_mod.AnswerLog(tmp_path / "log.jsonl", tokenizer_id(Tok()))
+    log.start("m")
+    kept = [[1, 2, 3], [4], [5, 6]]
+    for a in kept:
+        log.append(a)
+    sent: list = []
+    main, other = AnswerCorpus([[9, 9]]), AnswerCorpus([[9, 9]])
+    assert open_answer_log(log.path, main, True, Tok(), "m", World(True, sent)) is not None
+    elsewhere = tmp_path / "elsewhere" / "log.jsonl"  # (the follower's Mac has no such file)
+    assert open_answer_log(elsewhere, other, True, Tok(), "m", World(False, sent)) is None
+    assert not elsewhere.exists()
+    assert _same_index(main, AnswerCorpus([[9, 9], *kept]))
+    assert _same_index(other, AnswerCorpus([[9, 9], *kept]))
+
+
+def test_keep_answers_needs_the_lookup_corpus(folders_for_serve, tmp_path, run_cli):
+    for extra in (["--mode", "ar"], ["--mode", "lookup", "--lookup-corpus", "none"]):
+        code, _, err = run_cli("serve", "-m", folders_for_serve, "--keep-answers",
+                               tmp_path / "log.jsonl", "--port", "0", *extra)  # fmt: skip
+        assert code != 0 and "--keep-answers feeds the lookup corpus" in err, err
+        assert "Traceback" not in err and not (tmp_path / "log.jsonl").exists()
 
 
 def _write(path, seqs):

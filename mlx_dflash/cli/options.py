@@ -49,7 +49,7 @@ LOOKUP_CORPUS = typer.Option(
     help='JSONL of the target\'s past answers ({"tokens": [...]} a line, as `train` writes '
     "them; .gz too): where the text has no match, their continuations join the lookup "
     "branches (docs/lookup.md). Default: the drafter's own, where it ships one; 'none': off. "
-    "serve adds each answer it serves (in memory).",
+    "serve adds each answer it serves (in memory; --keep-answers keeps them).",
 )
 CORPUS_FILE = "lookup-corpus.jsonl.gz"  # in a drafter folder: its target's answers
 

@@ -18,6 +18,13 @@ MAX_BATCH = typer.Option(
     help="Requests whose rounds share each target forward (1: one at a time). 8: on a "
     "2-core CPU, throughput still grew from 4 to 8 (docs/batching.md).",
 )
+KEEP_ANSWERS = typer.Option(
+    None,
+    "--keep-answers",
+    help="A file where the answers that join the lookup corpus are kept (created if new, "
+    "readable only by you) and read back at start, so what the server learned in earlier "
+    "sessions survives a restart. It holds the served answers, as token ids.",
+)
 
 
 def serve_command(
@@ -57,6 +64,7 @@ def serve_command(
         8, "--prefix-cache-sessions", min=1, help="Cached prompt prefixes kept at most."
     ),
     max_batch: int = MAX_BATCH,
+    keep_answers: Path = KEEP_ANSWERS,
     verbose: bool = typer.Option(False, "--verbose", help="Log every request."),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, messages)."""
@@ -73,16 +81,10 @@ def serve_command(
         opts.print_slow_verify_note(target, model, mode)
     served = name or (Path(model).name if model else "stories260K")
     aliases = tuple(a for a in (model, Path(model).name if model else None) if a)
-    config = ServerConfig(
-        model_name=served,
-        aliases=aliases,
-        api_key=api_key,
-        max_tokens=max_tokens,
-        thinking=thinking,
-        cache_bytes=cache_mb * 2**20,
-        cache_sessions=cache_sessions,
-        max_batch=max_batch,
-    )
+    keep = str(keep_answers) if keep_answers else None
+    config = ServerConfig(model_name=served, aliases=aliases, api_key=api_key,
+                          max_tokens=max_tokens, thinking=thinking, cache_bytes=cache_mb * 2**20,
+                          cache_sessions=cache_sessions, max_batch=max_batch, keep_answers=keep)  # fmt: skip
     app = App(target, runner if cfg.uses_drafter else None, cfg, config, world)
     if not world.is_main:
         return app.worker.follow(app.base)

@@ -20,11 +20,13 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import sys
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
+from ..atomic import atomic_file
 from ..errors import DFlashError
 
 MAX_NGRAM = 8  # a corpus is large: longer contexts pick continuations more precisely
@@ -85,12 +87,19 @@ class AnswerCorpus:
 
     def add(self, answer: list[int]) -> None:
         """One more answer joins the index (serve adds each one it finishes, so an agent's
-        later calls find its earlier ones). Its n-grams are merged in after the equal ones
-        already there, which keeps each hash's run in position order (newest last). Past
+        later calls find its earlier ones)."""
+        self.extend([answer])
+
+    def extend(self, answers: list[list[int]]) -> None:
+        """Answers join the index, in order, by one merge: their n-grams go in after the equal
+        ones already there, which keeps each hash's run in position order (newest last). Past
         MAX_TOKENS the oldest answers leave, by a rebuild from the newer half."""
-        if not answer:
+        answers = [a[-MAX_TOKENS // 4 :] for a in answers if a]
+        while answers and sum(len(a) + 1 for a in answers) > MAX_TOKENS // 2:
+            answers.pop(0)  # (more than the newer half: only the newest can stay)
+        if not answers:
             return
-        new = AnswerCorpus([answer[-MAX_TOKENS // 4 :]])
+        new = AnswerCorpus(answers)
         if len(self.tokens) + len(new.tokens) > MAX_TOKENS:  # keep the newer half, then merge
             seps = np.nonzero(self.tokens == _SEP)[0]  # (the last token is one)
             cut = seps[np.searchsorted(seps, len(self.tokens) - MAX_TOKENS // 2)] + 1
@@ -172,8 +181,9 @@ def load_corpus(path: str | os.PathLike) -> AnswerCorpus:
         try:
             with opener(p, "rt", encoding="utf-8") as f:
                 for i, line in enumerate(f, 1):
-                    if line.strip():
-                        seqs.append(_tokens(json.loads(line), p, i))
+                    record = json.loads(line) if line.strip() else None
+                    if record is not None and not _is_header(record):
+                        seqs.append(_tokens(record, p, i))
         except (OSError, UnicodeDecodeError, ValueError) as e:
             raise DFlashError(f"The lookup corpus {p} cannot be read: {e}.") from None
         if not seqs:
@@ -190,3 +200,97 @@ def _tokens(record, path: Path, line: int) -> list[int]:
             f"Line {line} of the lookup corpus {path} has no 'tokens' list of token ids."
         )
     return toks
+
+
+def _is_header(record) -> bool:
+    return isinstance(record, dict) and LOG_HEADER in record
+
+
+LOG_HEADER = "dflash_mlx_answer_log"  # the first line's key: format version and tokenizer
+
+
+class AnswerLog:
+    """serve's answers kept on disk (`serve --keep-answers FILE`), so the lookup corpus a
+    server grew survives its restart: one `{"tokens": [...]}` line appended per answer after
+    a header line naming the tokenizer (token ids mean nothing under another one). The file
+    is also a corpus file (--lookup-corpus reads it). Only the newest MAX_TOKENS tokens count:
+    opening a longer log rewrites it with those, so it stays bounded."""
+
+    def __init__(self, path: str | os.PathLike, tokenizer: str) -> None:
+        self.path, self.tokenizer = Path(path), tokenizer
+        self.failed = False
+
+    def read(self) -> list[list[int]]:
+        """The kept answers, oldest first ([] for a new file). A last line cut short (the
+        server stopped mid-write) is dropped; any other damage, or another tokenizer's log,
+        is one sentence."""
+        p = self.path
+        if not p.exists():
+            return []
+        try:
+            lines = p.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise DFlashError(f"The answer log {p} cannot be read: {e}.") from None
+        if not lines:
+            return []
+        try:
+            head = json.loads(lines[0])
+        except ValueError:
+            head = None
+        if not _is_header(head):
+            raise DFlashError(f"{p} is not an answer log written by serve --keep-answers.")
+        if head[LOG_HEADER].get("tokenizer") != self.tokenizer:
+            raise DFlashError(
+                f"The answer log {p} was written for another tokenizer "
+                f"({head[LOG_HEADER].get('model')}); give this model its own log."
+            )
+        answers, cut_short = [], False
+        for i, line in enumerate(lines[1:], 2):
+            try:
+                answers.append(_tokens(json.loads(line), p, i))
+            except (ValueError, DFlashError):
+                if i < len(lines):
+                    raise DFlashError(f"Line {i} of the answer log {p} is damaged.") from None
+                cut_short = True  # (rewritten without it: the next line must not join it)
+        too_long = sum(len(a) + 1 for a in answers) > MAX_TOKENS
+        while too_long and sum(len(a) + 1 for a in answers) > MAX_TOKENS // 2:
+            answers.pop(0)  # keep it bounded: the newest
+        if cut_short or too_long:
+            self._rewrite(head, answers)
+        return answers
+
+    def start(self, model: str) -> None:
+        """Create the file with its header if it does not exist (readable by its owner)."""
+        if self.path.exists() and self.path.stat().st_size:
+            return
+        head = {LOG_HEADER: {"version": 1, "tokenizer": self.tokenizer, "model": model}}
+        self._rewrite(head, [])
+
+    def append(self, answer: list[int]) -> None:
+        """One line per answer, written whole (a failed write is said once, and serving goes
+        on: the corpus in memory still has the answer)."""
+        if not answer:
+            return
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"tokens": answer}) + "\n")
+        except OSError as e:
+            if not self.failed:
+                print(f"Cannot add to the answer log {self.path}: {e.strerror or e}.",
+                      file=sys.stderr)  # fmt: skip
+            self.failed = True
+
+    def _rewrite(self, head: dict, answers: list[list[int]]) -> None:
+        def write(tmp: str) -> None:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(json.dumps(head) + "\n")
+                f.writelines(json.dumps({"tokens": a}) + "\n" for a in answers)
+
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_file(self.path, write)
+        except OSError as e:
+            raise DFlashError(
+                f"Cannot write the answer log {self.path}: {e.strerror or e}."
+            ) from None

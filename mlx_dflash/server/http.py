@@ -27,6 +27,7 @@ from ..errors import DFlashError
 from ..prompts import has_template, render, stop_ids
 from . import protocol as P
 from . import responses as R
+from .kept_answers import open_answer_log
 from .metrics import Metrics
 from .sessions import SessionPool
 from .structured import check_grammar, tool_grammar
@@ -61,6 +62,8 @@ class ServerConfig:
     # A streamed answer sends an SSE comment after this many idle seconds (a long prefill):
     # clients with idle timeouts keep the stream.
     keepalive_s: float = 3.0
+    # serve --keep-answers: the file its corpus's answers are kept in across restarts.
+    keep_answers: str | None = None
 
 
 class App:
@@ -71,6 +74,10 @@ class App:
         if base.lookup:  # the corpus grows with the answers served (Worker._run adds each)
             base = dataclasses.replace(base, lookup_corpus=live_corpus(base.lookup_corpus))
         self.corpus = base.lookup_corpus if base.lookup else None
+        log = None
+        if config.keep_answers:
+            log = open_answer_log(config.keep_answers, self.corpus, bool(base.lookup),
+                                  target.tokenizer, config.model_name, world)  # fmt: skip
         self.base = GenerationConfig(
             **{**vars(base), "stop_ids": stop_ids(target.tokenizer), "max_tokens": 1}
         )
@@ -78,6 +85,7 @@ class App:
         pool = SessionPool(target, runner, config.cache_bytes, config.cache_sessions)
         self.pool = pool
         self.worker = Worker(target, runner, base.mode, pool, world, config.max_batch)
+        self.worker.answer_log = log
         self.context = int(target.text_config.get("max_position_embeddings") or 0) or None
         self.templated = has_template(self.tokenizer)
         self.tags = thinking_tags(self.tokenizer) if self.templated else None

@@ -80,6 +80,7 @@ class Worker:
         self.served = 0
         self.finishes: list[str] = []  # how each job ended, in order (health, tests)
         self.on_done = None  # called with each job's Done (the server's metrics)
+        self.answer_log = None  # serve --keep-answers: where rank 0 keeps each answer
         # Set while the worker waits for a job with nothing under way: every row has ended
         # and left the batch's arena (a client has its answer a little before that).
         self.quiet = threading.Event()
@@ -252,6 +253,8 @@ class Worker:
             # same one, so their trees stay the same); a copy of the server's, never a file's.
             if isinstance(cfg.lookup_corpus, AnswerCorpus):
                 cfg.lookup_corpus.add(answer)
+                if self.answer_log is not None:
+                    self.answer_log.append(answer)
         if hit is None:
             out.feed(stops.flush())
         out.flush()
