@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -142,6 +145,18 @@ def test_kept_answers_survive_a_restart(folders_for_serve, tmp_path):
     assert again["dflash"]["rounds"] < first["dflash"]["rounds"], (first, again)
     assert len(log.read_text().splitlines()) == 3 and len(app.corpus) == 2 * n
     assert len(load_corpus(log)) == 2 * n  # (the log is a corpus file too)
+    # The command says what it read back.
+    exe = str(Path(sys.executable).parent / "dflash-mlx")
+    cmd = [exe, "serve", "-m", folders_for_serve, "--mode", "lookup", "--port", "0"]
+    proc = subprocess.Popen([*cmd, "--keep-answers", str(log)], stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline() if proc.stderr else ""
+        while line and "Serving" not in line:
+            line = proc.stderr.readline() if proc.stderr else ""
+    finally:
+        proc.kill()
+        proc.wait()
+    assert f"2 kept answers read from {log}" in line, line
 
 
 def test_answer_log_damage_and_bounds(tmp_path, monkeypatch):

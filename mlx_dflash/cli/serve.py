@@ -93,7 +93,9 @@ def serve_command(
     except OSError as e:
         raise DFlashError(f"Cannot listen on {host}:{port}: {e.strerror or e}.") from None
     base_url = f"http://{host}:{server.server_address[1]}/v1"
-    print(f"Serving '{served}' ({mode}) on {base_url} - OpenAI base_url {base_url}; Ctrl-C stops.",
+    log = app.worker.answer_log
+    kept = f"; {log.kept} kept answers read from {log.path}" if log is not None else ""
+    print(f"Serving '{served}' ({mode}) at OpenAI base_url {base_url}{kept}; Ctrl-C stops.",
           file=sys.stderr, flush=True)  # fmt: skip
     try:
         server.serve_forever()

@@ -219,6 +219,7 @@ class AnswerLog:
     def __init__(self, path: str | os.PathLike, tokenizer: str) -> None:
         self.path, self.tokenizer = Path(path), tokenizer
         self.failed = False
+        self.kept = 0  # answers read back at start (serve says how many)
 
     def read(self) -> list[list[int]]:
         """The kept answers, oldest first ([] for a new file). A last line cut short (the

@@ -45,5 +45,6 @@ def open_answer_log(path: str, corpus: AnswerCorpus | None, lookup: bool, tokeni
     corpus.extend([a for a in kept if a])
     if world.is_main:
         log.start(model)
+        log.kept = len(kept)
         return log
     return None
