@@ -272,9 +272,13 @@ class AnswerLog:
         on: the corpus in memory still has the answer)."""
         if not answer:
             return
-        try:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"tokens": answer}) + "\n")
+        line = (json.dumps({"tokens": answer}) + "\n").encode()
+        try:  # one write to an O_APPEND file: two servers on one log never split a line
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, line)
+            finally:
+                os.close(fd)
         except OSError as e:
             if not self.failed:
                 print(f"Cannot add to the answer log {self.path}: {e.strerror or e}.",
