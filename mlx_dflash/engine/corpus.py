@@ -95,8 +95,9 @@ class AnswerCorpus:
         ones already there, which keeps each hash's run in position order (newest last). Past
         MAX_TOKENS the oldest answers leave, by a rebuild from the newer half."""
         answers = [a[-MAX_TOKENS // 4 :] for a in answers if a]
-        while answers and sum(len(a) + 1 for a in answers) > MAX_TOKENS // 2:
-            answers.pop(0)  # (more than the newer half: only the newest can stay)
+        total = sum(len(a) + 1 for a in answers)
+        while answers and total > MAX_TOKENS // 2:
+            total -= len(answers.pop(0)) + 1  # (more than the newer half: only the newest stay)
         if not answers:
             return
         new = AnswerCorpus(answers)
@@ -253,9 +254,10 @@ class AnswerLog:
                 if i < len(lines):
                     raise DFlashError(f"Line {i} of the answer log {p} is damaged.") from None
                 cut_short = True  # (rewritten without it: the next line must not join it)
-        too_long = sum(len(a) + 1 for a in answers) > MAX_TOKENS
-        while too_long and sum(len(a) + 1 for a in answers) > MAX_TOKENS // 2:
-            answers.pop(0)  # keep it bounded: the newest
+        total = sum(len(a) + 1 for a in answers)
+        too_long = total > MAX_TOKENS
+        while too_long and total > MAX_TOKENS // 2:
+            total -= len(answers.pop(0)) + 1  # keep it bounded: the newest
         if cut_short or too_long:
             self._rewrite(head, answers)
         return answers
