@@ -17,7 +17,7 @@ from test_engine import mlx_lm_greedy, run
 from mlx_dflash.benchmark.runner import parse_methods
 from mlx_dflash.engine import GenerationConfig, Session
 from mlx_dflash.engine import corpus as corpus_mod
-from mlx_dflash.engine.corpus import AnswerCorpus, load_corpus
+from mlx_dflash.engine.corpus import AnswerCorpus, join_answers, load_corpus, split_answers
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.target import Target
 from mlx_dflash.models.tiny import HYBRID_TYPES, TARGET_TYPES, load_module, tiny_target_config
@@ -80,6 +80,17 @@ def test_answers_added_one_at_a_time_index_as_if_read_together():
     assert empty.branches([1, 2, 3], 4, 2) == [] and len(empty) == 0
     empty.add([5, 6, 7, 8, 9])
     assert empty.branches([0, 5, 6, 7], 4, 2) == [[8, 9]]
+
+
+def test_answers_joined_and_split_back():
+    """The flat form ranks send each other, and the corpus's own token array, split back into
+    the same answers (empty ones dropped: they hold no n-gram)."""
+    answers = [[5, 6, 7], [], [0], [9, 9, 9, 9]]
+    flat = join_answers(answers)
+    assert flat == [5, 6, 7, -1, -1, 0, -1, 9, 9, 9, 9, -1]
+    assert split_answers(flat) == [[5, 6, 7], [0], [9, 9, 9, 9]]
+    assert split_answers(AnswerCorpus(answers).tokens) == [[5, 6, 7], [0], [9, 9, 9, 9]]
+    assert split_answers([]) == [] and split_answers([-1, -1]) == []
 
 
 def test_a_growing_corpus_keeps_its_newest_answers(monkeypatch):

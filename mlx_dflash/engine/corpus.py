@@ -48,6 +48,19 @@ def _hash(tokens: list[int]) -> np.uint64:
     return h
 
 
+def split_answers(flat) -> list[list[int]]:
+    """Answers joined with separators (the corpus's tokens, or a flat list sent between ranks)
+    back into one list each; empty ones dropped."""
+    flat = np.asarray(flat, dtype=np.int64)
+    parts = np.split(flat, np.nonzero(flat == _SEP)[0] + 1)
+    return [p[p != _SEP].tolist() for p in parts if (p != _SEP).any()]
+
+
+def join_answers(answers: list[list[int]]) -> list[int]:
+    """split_answers' inverse: each answer followed by a separator."""
+    return [t for a in answers for t in (*a, _SEP)]
+
+
 class AnswerCorpus:
     """An n-gram index over many token sequences, queried with the text's last tokens."""
 
@@ -104,8 +117,7 @@ class AnswerCorpus:
         if len(self.tokens) + len(new.tokens) > MAX_TOKENS:  # keep the newer half, then merge
             seps = np.nonzero(self.tokens == _SEP)[0]  # (the last token is one)
             cut = seps[np.searchsorted(seps, len(self.tokens) - MAX_TOKENS // 2)] + 1
-            kept = np.split(self.tokens[cut:], np.nonzero(self.tokens[cut:] == _SEP)[0] + 1)
-            self._build([[t for t in k.tolist() if t != _SEP] for k in kept if len(k) > 1])
+            self._build(split_answers(self.tokens[cut:]))
         offset = len(self.tokens)
         self.tokens = np.concatenate([self.tokens, new.tokens])
         for n in self.keys:

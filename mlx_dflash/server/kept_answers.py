@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from ..engine.corpus import AnswerCorpus, AnswerLog
+from ..engine.corpus import AnswerCorpus, AnswerLog, join_answers, split_answers
 from ..errors import DFlashError
 
 
@@ -34,15 +34,8 @@ def open_answer_log(path: str, corpus: AnswerCorpus | None, lookup: bool, tokeni
     log = AnswerLog(path, tokenizer_id(tokenizer))
     kept = log.read() if world.is_main else []
     if world.sharded:
-        flat = world.agree_seq([t for a in kept for t in (*a, -1)]).tolist()
-        kept, answer = [], []
-        for t in flat:
-            if t == -1:
-                kept.append(answer)
-                answer = []
-            else:
-                answer.append(t)
-    corpus.extend([a for a in kept if a])
+        kept = split_answers(world.agree_seq(join_answers(kept)))
+    corpus.extend(kept)
     if world.is_main:
         log.start(model)
         log.kept = len(kept)
