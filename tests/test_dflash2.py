@@ -221,6 +221,52 @@ def test_lattice_tree_holds_the_most_probable_paths(seed):
     assert chain.tokens[1:].tolist() == zlab_chain(lat)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_lattice_tree_keeps_the_drafters_mass_off_the_candidates(seed):
+    """With the drafter's logits, a child's probability is its exp(score / T) over its row's
+    candidates' plus every other token's exp(logit / T): brute force over every path, at two
+    temperatures, on the host and on the device. Logits with no mass off the candidates give
+    the candidates' softmax alone (the tree of a lattice without logits)."""
+    rng = np.random.default_rng(seed)
+    n, k, vocab = int(rng.integers(1, 4)), int(rng.integers(2, 4)), 50
+    lat = random_lattice(seed, n, k)
+    cand = np.array(lat.cand)
+    z = (rng.normal(size=(n, vocab)) * 2).astype(np.float32)
+    z[:, 7] = -np.inf  # outside a draft vocabulary: never any mass
+    full = Lattice(lat.cand, lat.first, lat.pairs, mx.array(z))
+    for temp in (1.0, 0.7):
+        on_cand = np.zeros((n, vocab), bool)
+        np.put_along_axis(on_cand, cand.astype(np.int64), True, axis=-1)
+        off = np.log(np.where(on_cand, 0.0, np.exp(z.astype(np.float64) / temp)).sum(-1))
+        for on_host in (True, False):
+            np.testing.assert_allclose(full.off_candidates(temp, on_host), off, rtol=1e-5)
+        first = np.array(lat.first, np.float64) / temp
+        pairs = np.array(lat.pairs, np.float64) / temp
+
+        def lsm(x, o):
+            return x - np.log(np.exp(x).sum() + np.exp(o))
+
+        scores = []
+        for d in range(1, n + 1):
+            for path in itertools.product(range(k), repeat=d):
+                s = lsm(first, off[0])[path[0]]
+                for t in range(1, d):
+                    s += lsm(pairs[t - 1, path[t - 1]], off[t])[path[t]]
+                scores.append(s)
+        best = sorted(scores, reverse=True)
+        for budget in (1, 3, 8, 40):
+            tree = lattice_tree(99, full, budget, temperature=temp)
+            np.testing.assert_allclose(tree.log_probs[1:], best[:budget], rtol=1e-5)
+            assert all(tree.parents[i] < i for i in range(1, len(tree.parents)))
+    # the mass off the candidates is what moves the tree: none there, the selector's alone
+    only = np.full((n, vocab), -np.inf, np.float32)
+    np.put_along_axis(only, cand.astype(np.int64), 0.0, axis=-1)
+    alone = lattice_tree(99, Lattice(lat.cand, lat.first, lat.pairs, mx.array(only)), 40)
+    sparse = lattice_tree(99, lat, 40)
+    assert alone.tokens.tolist() == sparse.tokens.tolist()
+    np.testing.assert_allclose(alone.log_probs, sparse.log_probs, atol=1e-12)
+
+
 # --- exactness: the engine drafts the chain, and the output is the target's ------------------
 
 

@@ -80,8 +80,8 @@ class CandidateSelector(nn.Module):
         first = unary[0] + mx.sum(anchor_row[:, None] * g[0, None] * succ[0][None], -1)[0]
         if cand.shape[0] == 1:  # one position: no pairs (an empty lookup breaks quantized tables)
             k = cand.shape[1]
-            return Lattice(cand.astype(mx.int32), first, mx.zeros((0, k, k), first.dtype))
+            return Lattice(cand.astype(mx.int32), first, mx.zeros((0, k, k), first.dtype), logits)
         pred = self.predecessor_codebook(cand[:-1])  # (n-1, k, r): each previous candidate
         edges = mx.sum((pred * g[1:, None])[:, :, None] * succ[1:, None], axis=-1)
         pairs = unary[1:, None, :] + edges  # (n-1, k_prev, k)
-        return Lattice(cand.astype(mx.int32), first, pairs)
+        return Lattice(cand.astype(mx.int32), first, pairs, logits)  # logits: lattice_tree's
