@@ -338,6 +338,12 @@ DRAFTER_SHAPES = {
                   "partial_rotary_factor": 0.5, "attention_bias": True,
                   "layer_types": ["sliding_attention"] * 2, "sliding_window": 6,
                   "is_causal": False},
+    "dflash2": {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8,
+                "selector_top_k": 6},
+    "dflash2-sliding": {"conv_kernel_size": 3, "conv_group_size": 8, "selector_rank": 8,
+                        "selector_top_k": 6, "layer_types": ["sliding_attention"] * 2,
+                        "sliding_window": 6, "is_causal": False},
+    "draft-vocab": {},  # the drafter proposes from a subset of the vocabulary (draft_vocab.json)
 }  # fmt: skip
 
 
@@ -359,10 +365,13 @@ def _drafter(target, **shape):
 
 @pytest.mark.parametrize("shape", list(DRAFTER_SHAPES))
 def test_packed_drafter_passes_are_each_rows_own(target, shape):
-    """Several rows' drafter passes as one: each row's logits are its own pass's."""
+    """Several rows' drafter passes as one: each row's logits (and a DFlash 2 row's lattice)
+    are its own pass's."""
     from mlx_dflash.models.drafter import DrafterRunner, propose_packed
 
     drafter = _drafter(target, **dict(DRAFTER_SHAPES[shape]))
+    if shape == "draft-vocab":
+        drafter.draft_vocab = np.arange(0, target.vocab_size, 3)
     runners, requests = [], []
     for k, prompt in enumerate(PROMPTS[:3]):
         runner = DrafterRunner(drafter, target)
@@ -375,6 +384,12 @@ def test_packed_drafter_passes_are_each_rows_own(target, shape):
         want = runner.propose_alone(*req)
         assert got.logits.shape == want.logits.shape
         assert np.allclose(np.array(got.logits), np.array(want.logits), atol=1e-4, rtol=1e-4)
+        assert (got.lattice is None) == (want.lattice is None) == (drafter.cfg.kind != "dflash2")
+        if got.lattice is not None:
+            assert np.array_equal(np.array(got.lattice.cand), np.array(want.lattice.cand))
+            for part in ("first", "pairs"):
+                a, b = getattr(got.lattice, part), getattr(want.lattice, part)
+                assert np.allclose(np.array(a), np.array(b), atol=1e-4, rtol=1e-4), part
 
 
 DFLASH2 = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 6}
@@ -383,8 +398,8 @@ DFLASH2 = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "se
 @pytest.mark.parametrize("mode, kind", [("dflash", "dflash"), ("ddtree", "dflash"),
                                         ("ddtree", "dflash2")])  # fmt: skip
 def test_real_drafters_draft_in_packed_passes_and_stay_exact(target, truths, mode, kind):
-    """Rows with real (random) drafters: their drafter passes are packed too (a DFlash 2
-    drafter's go row by row), and every row's output is still its output alone."""
+    """Rows with real (random) drafters, DFlash 2 too: their drafter passes are packed, and
+    every row's output is still its output alone."""
     from mlx_dflash.models.drafter import DrafterRunner
 
     drafter = _drafter(target, **(DFLASH2 if kind == "dflash2" else {}))

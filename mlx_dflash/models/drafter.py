@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -310,15 +311,13 @@ class DrafterRunner:
 
 def propose_packed(runners: list, requests: list[tuple[int, int, int]]) -> list[Proposal]:
     """Several rows' drafter passes as one (batched rounds, engine/batch.py): each row's block
-    over its own context, the projections, MLPs and the LM head shared. DFlash 2 drafters (whose
-    convolutions run along each row's block) and rows of different drafters or vocabularies go
-    one by one."""
+    over its own context, the projections, MLPs, convolutions and the LM head shared. Rows of
+    one drafter and target share its draft vocabulary too; a DFlash 2 row's lattice is scored
+    from its own slice. Rows of different drafters or targets go one by one."""
     first = runners[0]
     drafter, cfg = first.drafter, first.cfg
-    same = all(
-        r.drafter is drafter and r.vocab is None and r.target is first.target for r in runners
-    )
-    if cfg.kind == "dflash2" or not same or len(runners) == 1:
+    if len(runners) == 1 or any(r.drafter is not drafter or r.target is not first.target
+                                for r in runners):  # fmt: skip
         return [r.propose_alone(*q) for r, q in zip(runners, requests, strict=True)]
     bs = cfg.block_size
     embeds, starts = [], []
@@ -332,20 +331,43 @@ def propose_packed(runners: list, requests: list[tuple[int, int, int]]) -> list[
     positions = mx.array(np.concatenate([s + np.arange(bs) for s in starts]), dtype=mx.int32)
     h = mx.concatenate(embeds)[None]
     for i, layer in enumerate(drafter.layers):
-        h = h + _packed_attention(drafter, i, layer.self_attn, layer.input_layernorm(h),
-                                  [c[i] for c in caches], starts, positions)  # fmt: skip
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        attend = partial(_packed_attention, drafter, i, layer.self_attn,
+                         caches=[c[i] for c in caches], starts=starts, positions=positions)  # fmt: skip
+        h = _packed_layer(layer, h, attend, len(runners))
     h = drafter.norm(h)[0]
     picks = [h[k * bs + 1 : k * bs + 1 + n] for k, (_, _, n) in enumerate(requests)]
-    logits = drafter_logits(cfg, first.target, mx.concatenate(picks))
+    logits = first.logits(mx.concatenate(picks))
     out, at = [], 0
-    for _, _, n in requests:
-        out.append(Proposal(logits[at : at + n]))
+    for (last, _, n), pick in zip(requests, picks, strict=True):
+        rows = logits[at : at + n]
         at += n
+        if cfg.kind == "dflash2":
+            out.append(Proposal(rows, drafter.candidate_selector.lattice(pick, rows, last)))
+        else:
+            out.append(Proposal(rows))
     return out
 
 
-def _packed_attention(drafter, i: int, attn, x, caches, starts, positions) -> mx.array:
+def _packed_layer(layer, h: mx.array, attend, n_rows: int) -> mx.array:
+    """One layer over the packed blocks h (1, R * bs, H), as DrafterLayer / DFlash2Layer run
+    one block; a DFlash 2 layer's convolutions run along each row's own block."""
+    if not isinstance(layer, DFlash2Layer):
+        h = h + attend(layer.input_layernorm(h))
+        return h + layer.mlp.infer(layer.post_attention_layernorm(h))
+
+    def rows(t):  # (1, R * bs, H) <-> (R, bs, H)
+        return t.reshape(n_rows, -1, t.shape[-1])
+
+    def packed(t):
+        return t.reshape(1, -1, t.shape[-1])
+
+    x, d = layer.attention_conv.prepare(rows(layer.input_layernorm(h)))
+    h = h + packed(layer.attention_conv.finish(rows(attend(packed(x))), d))
+    x, d = layer.mlp_conv.prepare(rows(layer.post_attention_layernorm(h)))
+    return h + packed(layer.mlp_conv.finish(layer.mlp.infer(x), d))
+
+
+def _packed_attention(drafter, i: int, attn, x, *, caches, starts, positions) -> mx.array:
     """Layer i's attention over the packed blocks x (1, R * bs, H): q/k/v projected once, then
     each row's block over its own context, with its own mask."""
     L, bs = x.shape[1], drafter.cfg.block_size

@@ -1,0 +1,72 @@
+"""B rows' drafter passes (batched rounds): one packed pass (models/drafter.py propose_packed)
+against B passes of their own, side by side; best of 5, ms each. Each row has its own context
+(a random prompt of its own length through the target).
+
+    .venv/bin/python scripts/packed_drafts.py -m models/smollm2-135m-instruct-f32 \
+        --drafter mlx_dflash/assets/smollm2-135m-instruct-dflash --rows 2 4 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from functools import partial
+
+import mlx_dflash  # noqa: F401  (first: OpenBLAS must load before mlx)
+
+# isort: split
+import mlx.core as mx
+import numpy as np
+
+from mlx_dflash.models.drafter import DrafterRunner, load_drafter, propose_packed
+from mlx_dflash.models.target import load_target
+
+
+def each_alone(runners, requests) -> list:
+    return [r.propose_alone(*q) for r, q in zip(runners, requests, strict=True)]
+
+
+def best_ms(run, repeats: int = 5) -> float:
+    def once():
+        props = run()
+        mx.eval([p.logits for p in props] + [p.lattice.pairs for p in props if p.lattice])
+
+    once()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        once()
+        best = min(best, time.perf_counter() - t0)
+    return 1000 * best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", required=True)
+    ap.add_argument("--drafter", required=True)
+    ap.add_argument("--rows", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--context", type=int, default=200)
+    a = ap.parse_args()
+    target = load_target(a.model)
+    drafter = load_drafter(a.drafter, num_target_layers=target.num_layers)
+    target.set_taps(drafter.cfg.target_layer_ids)
+    n = min(drafter.cfg.block_size - 1, 7)
+    rng = np.random.default_rng(0)
+    print(f"{drafter.cfg.kind} drafter, {n} positions a row")
+    print("| rows | passes of their own | one packed pass |\n|---|---|---|")
+    for rows in a.rows:
+        runners, requests = [], []
+        for r in range(rows):
+            ids = rng.integers(100, 20000, a.context + 17 * r).tolist()
+            _, taps = target.forward(mx.array(ids), target.make_cache(), 0)
+            runner = DrafterRunner(drafter, target)
+            runner.add_context(taps)
+            runners.append(runner)
+            requests.append((ids[-1], len(ids), n))
+        alone = best_ms(partial(each_alone, runners, requests))
+        packed = best_ms(partial(propose_packed, runners, requests))
+        print(f"| {rows} | {alone:.1f} ms | {packed:.1f} ms |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
