@@ -97,6 +97,29 @@ def test_draft_vocabulary_restricts_proposals_not_output(target, mode):
     assert out == ref
 
 
+def test_runners_share_their_draft_vocabularys_head_rows(target):
+    """Every runner of one draft vocabulary reads the same gathered LM head rows (serve keeps a
+    runner per pooled session); another vocabulary, or a head whose weight was replaced, gets
+    rows of its own, equal to the head's."""
+    drafter = random_drafter(target).drafter
+    drafter.draft_vocab = np.arange(0, target.vocab_size, 3)
+    a, b = DrafterRunner(drafter, target), DrafterRunner(drafter, target)
+    assert a.rows is b.rows
+    drafter.draft_vocab = np.arange(1, target.vocab_size, 3)
+    c = DrafterRunner(drafter, target)
+    drafter.draft_vocab = None
+    assert c.rows is not a.rows
+    np.testing.assert_array_equal(np.array(c.rows), np.array(target.lm_head_rows(c.vocab)))
+    layer = target._untied_head() or target.inner.embed_tokens  # the head, tied or not
+    old = layer.weight
+    layer.weight = old * 2  # new weights loaded: the rows are gathered again
+    try:
+        again = target.draft_head_rows(np.arange(1, target.vocab_size, 3))
+        np.testing.assert_allclose(np.array(again), 2 * np.array(c.rows), rtol=1e-6)
+    finally:
+        layer.weight = old
+
+
 @pytest.mark.parametrize("corrupt", [0.0, 0.15, 0.5, 1.0])
 def test_oracle_drafter_exact_at_every_acceptance_level(target, corrupt):
     ref = mlx_lm_greedy(target, PROMPT, N)

@@ -237,7 +237,7 @@ class DrafterRunner:
         if drafter.draft_vocab is not None:
             self.vocab = mx.array(drafter.draft_vocab.astype(np.int32))
             if target.vocab_sharding is None:
-                self.rows = target.lm_head_rows(self.vocab)  # gathered once: (S, H)
+                self.rows = target.draft_head_rows(drafter.draft_vocab)  # (S, H), shared
             else:  # each rank holds a slice of the head: full logits, then the vocabulary
                 outside = np.ones(target.vocab_size, dtype=bool)
                 outside[drafter.draft_vocab] = False

@@ -232,6 +232,7 @@ class Target:
         # The row count each forward's dense layers run at (models/rows.py); load_target
         # measures it on the CPU backend, None runs every forward at its own size.
         self.padding: RowPadding | None = None
+        self._draft_heads: dict[bytes, tuple[mx.array, mx.array]] = {}  # draft_head_rows'
         self.set_taps(tap_ids)
 
     def rows(self, n: int) -> int:
@@ -325,6 +326,20 @@ class Target:
             bits=head.bits,
             mode=getattr(head, "mode", "affine"),
         )
+
+    def draft_head_rows(self, ids) -> mx.array:
+        """`lm_head_rows` of a drafter's draft vocabulary, gathered once per vocabulary (and
+        head weight) and shared: serve keeps a drafter runner per pooled session, and each
+        gathered a copy of its own (36 MB for the SmolLM2 drafter in float32, which the pool's
+        byte bound did not see)."""
+        ids = np.asarray(ids, dtype=np.int32)
+        weight = (self._untied_head() or self.inner.embed_tokens).weight
+        held = self._draft_heads.get(key := ids.tobytes())
+        if held is None or held[0] is not weight:
+            rows = self.lm_head_rows(mx.array(ids))
+            mx.eval(rows)
+            held = self._draft_heads[key] = (weight, rows)
+        return held[1]
 
     def forward(
         self,
