@@ -57,15 +57,19 @@ def _same_index(a: AnswerCorpus, b: AnswerCorpus) -> bool:
     return (
         np.array_equal(a.tokens, b.tokens)
         and a.keys.keys() == b.keys.keys()
-        and all(np.array_equal(a.keys[n], b.keys[n]) for n in a.keys)
-        and all(np.array_equal(a.ends[n], b.ends[n]) for n in a.ends)
+        and all(np.array_equal(a.index(n)[0], b.index(n)[0]) for n in a.keys)
+        and all(np.array_equal(a.index(n)[1], b.index(n)[1]) for n in a.keys)
     )
 
 
-def test_answers_added_one_at_a_time_index_as_if_read_together():
+@pytest.mark.parametrize("recent_min", [corpus_mod.RECENT_MIN, 0, 40])
+def test_answers_added_one_at_a_time_index_as_if_read_together(monkeypatch, recent_min):
     """serve adds each answer it finishes: the merged index must be the one built from all
     answers at once (same hashes, same order: newest last within a hash), and the copy it
-    grows must leave the file's corpus as read. Small alphabet: many equal n-grams."""
+    grows must leave the file's corpus as read. Small alphabet: many equal n-grams. The
+    answers wait in the recent index (all of them), merge into the main one at once (0), or
+    every few answers (40), and queries find the same branches either way."""
+    monkeypatch.setattr(corpus_mod, "RECENT_MIN", recent_min)
     rng = np.random.default_rng(3)
     seqs = [[int(t) for t in rng.integers(0, 4, rng.integers(1, 30))] for _ in range(40)]
     base = AnswerCorpus(seqs[:10])
@@ -74,8 +78,12 @@ def test_answers_added_one_at_a_time_index_as_if_read_together():
         grown.add(s)
     grown.add([])  # (an empty answer adds nothing)
     grown.extend(seqs[30:])  # (a kept log's answers join at once)
-    assert _same_index(grown, AnswerCorpus(seqs))
+    whole = AnswerCorpus(seqs)
+    assert _same_index(grown, whole)
     assert _same_index(base, AnswerCorpus(seqs[:10]))
+    for s in seqs[::3]:
+        for cut in range(3, len(s)):
+            assert grown.branches(s[:cut], 4, 3) == whole.branches(s[:cut], 4, 3)
     empty = AnswerCorpus([])
     assert empty.branches([1, 2, 3], 4, 2) == [] and len(empty) == 0
     empty.add([5, 6, 7, 8, 9])
