@@ -9,7 +9,6 @@ against B passes of their own, side by side; best of 5, ms each. Each row has it
 from __future__ import annotations
 
 import argparse
-import time
 from functools import partial
 
 import mlx_dflash  # noqa: F401  (first: OpenBLAS must load before mlx)
@@ -17,6 +16,7 @@ import mlx_dflash  # noqa: F401  (first: OpenBLAS must load before mlx)
 # isort: split
 import mlx.core as mx
 import numpy as np
+from verify_cost import best_time  # scripts/ is on the path when a script runs
 
 from mlx_dflash.models.drafter import DrafterRunner, load_drafter, propose_packed
 from mlx_dflash.models.target import load_target
@@ -26,18 +26,14 @@ def each_alone(runners, requests) -> list:
     return [r.propose_alone(*q) for r, q in zip(runners, requests, strict=True)]
 
 
-def best_ms(run, repeats: int = 5) -> float:
+def evaluated(run):
+    """`run`, its proposals evaluated (MLX is lazy: the timing must include the work)."""
+
     def once():
         props = run()
         mx.eval([p.logits for p in props] + [p.lattice.pairs for p in props if p.lattice])
 
-    once()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        once()
-        best = min(best, time.perf_counter() - t0)
-    return 1000 * best
+    return once
 
 
 def main() -> None:
@@ -63,8 +59,8 @@ def main() -> None:
             runner.add_context(taps)
             runners.append(runner)
             requests.append((ids[-1], len(ids), n))
-        alone = best_ms(partial(each_alone, runners, requests))
-        packed = best_ms(partial(propose_packed, runners, requests))
+        alone = 1000 * best_time(evaluated(partial(each_alone, runners, requests)), 5, True)
+        packed = 1000 * best_time(evaluated(partial(propose_packed, runners, requests)), 5, True)
         print(f"| {rows} | {alone:.1f} ms | {packed:.1f} ms |", flush=True)
 
 
