@@ -33,7 +33,7 @@ MAX_NGRAM = 8  # a corpus is large: longer contexts pick continuations more prec
 MIN_NGRAM = 3  # 2-grams match nearly anywhere in a corpus, and mostly mislead
 MAX_OCCURRENCES = 256  # the most recent occurrences counted per query
 # A corpus that grows (serve adds each answer) keeps its newest tokens up to this many: about
-# 100 bytes of index a token, and each answer's merge copies the arrays once.
+# 100 bytes of index a token.
 MAX_TOKENS = 4_000_000
 # Answers join a small recent index first, merged into the main one once it holds this many
 # n-grams or an eighth of the main one's: merging into the main index copies all of its arrays
@@ -63,6 +63,17 @@ def split_answers(flat) -> list[list[int]]:
 def join_answers(answers: list[list[int]]) -> list[int]:
     """split_answers' inverse: each answer followed by a separator."""
     return [t for a in answers for t in (*a, _SEP)]
+
+
+def newest_answers(answers: list[list[int]], limit: int) -> list[list[int]]:
+    """The newest of `answers` (in order, oldest first) that hold at most `limit` tokens with
+    their separators."""
+    total = sum(len(a) + 1 for a in answers)
+    kept = 0
+    while kept < len(answers) and total > limit:
+        total -= len(answers[kept]) + 1
+        kept += 1
+    return answers[kept:]
 
 
 class AnswerCorpus:
@@ -125,9 +136,8 @@ class AnswerCorpus:
         ones already there, which keeps each hash's run in position order (newest last). Past
         MAX_TOKENS the oldest answers leave, by a rebuild from the newer half."""
         answers = [a[-MAX_TOKENS // 4 :] for a in answers if a]
-        total = sum(len(a) + 1 for a in answers)
-        while answers and total > MAX_TOKENS // 2:
-            total -= len(answers.pop(0)) + 1  # (more than the newer half: only the newest stay)
+        # (more than the newer half: only the newest stay)
+        answers = newest_answers(answers, MAX_TOKENS // 2)
         if not answers:
             return
         new = AnswerCorpus(answers)
@@ -296,10 +306,9 @@ class AnswerLog:
                 if i < len(lines):
                     raise DFlashError(f"Line {i} of the answer log {p} is damaged.") from None
                 cut_short = True  # (rewritten without it: the next line must not join it)
-        total = sum(len(a) + 1 for a in answers)
-        too_long = total > MAX_TOKENS
-        while too_long and total > MAX_TOKENS // 2:
-            total -= len(answers.pop(0)) + 1  # keep it bounded: the newest
+        too_long = sum(len(a) + 1 for a in answers) > MAX_TOKENS
+        if too_long:  # keep it bounded: the newest
+            answers = newest_answers(answers, MAX_TOKENS // 2)
         if cut_short or too_long:
             self._rewrite(head, answers)
         return answers

@@ -53,14 +53,15 @@ class Lattice:
         if on_host:
             z = np.array(self.logits.astype(mx.float32)) / np.float32(temperature)
             top = z.max(axis=-1, keepdims=True)
-            total = np.exp(z - top).sum(axis=-1, dtype=np.float64)
+            e = np.exp(z - top)
+            total = e.sum(axis=-1, dtype=np.float64)
             c = np.array(self.cand).astype(np.int64)
-            inside = np.exp(np.take_along_axis(z, c, axis=-1) - top).sum(axis=-1, dtype=np.float64)
+            inside = np.take_along_axis(e, c, axis=-1).sum(axis=-1, dtype=np.float64)
         else:
             z = self.logits.astype(mx.float32) / temperature
             top = mx.max(z, axis=-1, keepdims=True)
-            t = mx.sum(mx.exp(z - top), axis=-1)
-            i = mx.sum(mx.exp(mx.take_along_axis(z, self.cand, axis=-1) - top), axis=-1)
+            ez = mx.exp(z - top)
+            t, i = mx.sum(ez, axis=-1), mx.sum(mx.take_along_axis(ez, self.cand, axis=-1), axis=-1)
             top, total, inside = np.array(top), np.array(t, np.float64), np.array(i, np.float64)
         with np.errstate(divide="ignore"):
             return np.log(np.maximum(total - inside, 0.0)) + top[:, 0]
