@@ -7,3 +7,7 @@ keeps its traceback.
 
 class DFlashError(Exception):
     """A user-facing problem: bad input, missing or mismatched model, corrupt weights."""
+
+
+class NoDrafterKnown(DFlashError):
+    """No published drafter is registered for a target the user named no drafter for."""

@@ -8,6 +8,7 @@ two-layer drafter is trained on the target's greedy answers only until greedy DF
 about 5 tokens per round (16-token blocks) on held-out prompts, then saved.
 
     python scripts/overhead_case.py build models/overhead-case      # ~3 minutes on 2 cores
+    python scripts/overhead_case.py build-dflash2 models/overhead-case2  # a DFlash 2 drafter
     python scripts/overhead_case.py measure models/overhead-case [REPS]  # against mlx-lm, z-lab
     dflash-mlx bench -m models/overhead-case/target -d models/overhead-case/drafter \\
         --dataset models/overhead-case/prompts.jsonl --no-chat-template -n 64 --profile
@@ -18,6 +19,7 @@ Everything is random-seeded; nothing is downloaded.
 # isort: skip_file
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -79,7 +81,7 @@ def train_target(folder: Path, words: np.ndarray, steps: int = 200, seed: int = 
     save_model(folder, model)
 
 
-def build(out: Path) -> None:
+def build(out: Path, arch: str = "dflash") -> None:
     from mlx_dflash import load_target
     from mlx_dflash.training.data import batch_generate
     from mlx_dflash.training.trainer import TrainConfig, Trainer, new_drafter_config
@@ -96,6 +98,9 @@ def build(out: Path) -> None:
         {"tokens": p + a, "prompt_len": len(p)} for p, a in zip(prompts, answers, strict=True)
     ]
     cfg = new_drafter_config(target, layers=2, mask_token_id=0)
+    if arch == "dflash2":  # (the published DFlash 2 fields: train.py's --arch dflash2)
+        cfg = dataclasses.replace(cfg, conv_kernel_size=2, conv_group_size=16,
+                                  selector_rank=32, selector_top_k=16)  # fmt: skip
     drafter = init_drafter(cfg)
     held_out = [p.tolist() for p in sentences(words, 8, 3, np.random.default_rng(2))]
     trainer = Trainer(
@@ -212,9 +217,9 @@ def measure(case: Path, max_tokens: int = 64, reps: int = 5, modes=("dflash", "d
 
 
 if __name__ == "__main__":
-    if len(sys.argv) not in (3, 4) or sys.argv[1] not in ("build", "measure"):
+    if len(sys.argv) not in (3, 4) or sys.argv[1] not in ("build", "build-dflash2", "measure"):
         sys.exit(__doc__)
-    if sys.argv[1] == "build":
-        build(Path(sys.argv[2]))
+    if sys.argv[1].startswith("build"):
+        build(Path(sys.argv[2]), "dflash2" if sys.argv[1] == "build-dflash2" else "dflash")
     else:
         measure(Path(sys.argv[2]), reps=int(sys.argv[3]) if len(sys.argv) == 4 else 5)

@@ -30,6 +30,7 @@ class OracleDrafter:
         self.seed = seed
         self.margin = margin
         self.context_len = 0
+        self.corpus_file = None
 
     def reset(self, length: int = 0) -> None:
         self.context_len = min(self.context_len, length)

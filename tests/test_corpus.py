@@ -291,7 +291,7 @@ def test_a_corpus_needs_lookup_branches(tmp_path):
         parse_methods("mlx-lm,ddtree+lookup+corpus:auto")
     path = _write(tmp_path / "c.jsonl.gz", [[1, 2, 3, 4]])
     m = parse_methods("lookup+corpus:auto,ddtree+lookup:auto", path)
-    assert [x.corpus for x in m] == [path, None]
+    assert [x.corpus for x in m] == [path, ""]  # "": no corpus, not even the drafter's
     with pytest.raises(DFlashError, match="does not exist"):
         parse_methods("lookup+corpus", str(tmp_path / "none.jsonl"))
     grown = parse_methods("lookup+corpus,ddtree+lookup+corpus:auto", None, grows=True)
@@ -386,7 +386,8 @@ def test_a_drafter_folders_corpus_is_the_default(run_cli, tmp_path):
     coder drafters do) lends them to lookup unless --lookup-corpus says otherwise."""
     import shutil
 
-    from mlx_dflash.cli.options import CORPUS_FILE, default_corpus, generation_config
+    from mlx_dflash.cli.options import Flags, default_corpus
+    from mlx_dflash.models.drafter import CORPUS_FILE
     from mlx_dflash.models.pair import load_pair
     from mlx_dflash.paths import DEFAULT_DRAFTER, DEFAULT_TARGET
 
@@ -397,7 +398,7 @@ def test_a_drafter_folders_corpus_is_the_default(run_cli, tmp_path):
     _, runner = load_pair(str(DEFAULT_TARGET), str(folder), "ddtree")
 
     def corpus(mode, budget, given=None):
-        cfg = generation_config(32, 0.0, 1.0, 0, 0, mode, None, budget, None, given)
+        cfg = Flags(32, mode=mode, budget=budget, corpus=given).config()
         return default_corpus(cfg, runner).lookup_corpus
 
     assert corpus("ddtree", "auto") == shipped and corpus("lookup", "16") == shipped
@@ -408,7 +409,7 @@ def test_a_drafter_folders_corpus_is_the_default(run_cli, tmp_path):
     shutil.copytree(DEFAULT_DRAFTER, broken)
     (broken / CORPUS_FILE).write_bytes(b"not gzip")
     _, broken_runner = load_pair(str(DEFAULT_TARGET), str(broken), "ddtree")
-    cfg = generation_config(32, 0.0, 1.0, 0, 0, "ddtree", None, "auto", None, None)
+    cfg = Flags(32, mode="ddtree", budget="auto").config()
     with pytest.raises(DFlashError, match="cannot be read"):
         default_corpus(cfg, broken_runner)
     args = ("generate", "-p", "Once upon a time", "-n", "32", "--json", "-d", folder)
@@ -417,6 +418,12 @@ def test_a_drafter_folders_corpus_is_the_default(run_cli, tmp_path):
     assert code == 0 == code_ar, err
     assert json.loads(out)["lookup_corpus"] == shipped
     assert json.loads(out)["text"] == json.loads(out_ar)["text"]
+    # The library reads it too: a GenerationConfig that names no corpus gets the drafter's.
+    from mlx_dflash.engine.corpus import lookup_corpus
+
+    assert runner.corpus_file == str(shipped)
+    assert lookup_corpus(GenerationConfig(), runner) == str(shipped)
+    assert lookup_corpus(GenerationConfig(lookup_corpus=""), runner) == ""
 
 
 def test_corpus_branches_keep_sampling_lossless(monkeypatch, tmp_path):

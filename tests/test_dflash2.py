@@ -281,7 +281,7 @@ def dense_target(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "mode, budget, lookup",
-    [("dflash", 1, 0)] + [("ddtree", b, 0) for b in (1, 2, 4, 8, 16, 32, 64)]
+    [("dflash", None, 0)] + [("ddtree", b, 0) for b in (1, 2, 4, 8, 16, 32, 64)]
     + [("ddtree", 8, 6), ("ddtree", "auto", 0), ("ddtree", "auto", 6)],
 )  # fmt: skip
 def test_lattice_rounds_are_exact_and_follow_the_chain(dense_target, mode, budget, lookup):
@@ -468,23 +468,26 @@ def test_drafts_equal_zlabs_round_for_round(pair, tmp_path):
         assert np.array(path)[0, :n].tolist() == chain, start
 
 
-def test_linear_rounds_default_to_a_5_token_block(pair):
-    """--mode dflash verifies 5 tokens a round by default with a DFlash 2 drafter (the measured
-    default); --block-size takes it to the drafter's own block, trees keep the whole depth, and
-    all of it is exact."""
+def test_linear_rounds_verify_the_whole_block_or_an_auto_sized_chain(pair):
+    """--mode dflash verifies the drafter's whole block by default, as z-lab's loop does (a
+    constant 5-token block capped rounds that loop accepts 8-16 tokens of); --block-size
+    shortens it, --budget auto sizes each chain from the measured verify cost, trees keep the
+    whole depth, and all of it is exact."""
     target, _, _, _ = pair
     ref = mlx_lm_greedy(target, PROMPT, 24)
     depths = {}
     native = runner_of(pair).block_size  # 8 for Qwen3.8's drafter, 16 for Muse's
-    for mode, block in [("dflash", None), ("dflash", native), ("ddtree", None)]:
+    for mode, block, budget in [("dflash", None, None), ("dflash", 4, None),
+                                ("dflash", None, "auto"), ("ddtree", None, 64)]:  # fmt: skip
         runner = runner_of(pair)
-        assert runner.linear_block == 5 < runner.block_size
-        cfg = GenerationConfig(max_tokens=24, mode=mode, block_size=block, budget=64)
+        cfg = GenerationConfig(max_tokens=24, mode=mode, block_size=block, budget=budget)
         out, drafted = [], []
         for r in generate_rounds(Session(target, runner), PROMPT, cfg):
             out += r.tokens
             drafted += [] if r.prefill else [r.drafted]
-        assert out == ref, (mode, block)
-        depths[(mode, block)] = max(drafted)
-    assert depths[("dflash", None)] == 4 and depths[("dflash", native)] == native - 1
-    assert depths[("ddtree", None)] > 4  # a tree's node count, at any depth
+        assert out == ref, (mode, block, budget)
+        depths[(mode, block, budget)] = max(drafted)
+    assert depths[("dflash", None, None)] == native - 1
+    assert depths[("dflash", 4, None)] == 3
+    assert 1 <= depths[("dflash", None, "auto")] <= native - 1
+    assert depths[("ddtree", None, 64)] > 4  # a tree's node count, at any depth

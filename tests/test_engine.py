@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from oracle import OracleDrafter, diversify
 
-from mlx_dflash.engine import GenerationConfig, Session, generate_rounds
+from mlx_dflash.engine import GenerationConfig, SamplingParams, Session, generate_rounds
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.drafter import DrafterRunner, init_drafter
 from mlx_dflash.models.drafter_config import DrafterConfig
@@ -40,8 +40,9 @@ def mlx_lm_greedy(target, prompt, n):
 
 
 def run(session, prompt, **kw):
+    """Greedy decoding through the engine (DFlash's chain unless `mode` says otherwise)."""
     out, taus = [], []
-    for r in generate_rounds(session, prompt, GenerationConfig(**kw)):
+    for r in generate_rounds(session, prompt, GenerationConfig(**{"mode": "dflash", **kw})):
         out += r.tokens
         if not r.prefill:
             taus.append(r.accepted)
@@ -224,7 +225,9 @@ def test_dflash_round_syncs_with_the_host_once(target, monkeypatch, temperature)
     ref = mlx_lm_greedy(target, PROMPT, 40)
     session = Session(target, random_drafter(target))
     out, draft_rounds = [], 0
-    cfg = GenerationConfig(max_tokens=40, sampling=SamplingParams(temperature), seed=1)
+    cfg = GenerationConfig(
+        max_tokens=40, sampling=SamplingParams(temperature), seed=1, mode="dflash"
+    )
     gen = generate_rounds(session, PROMPT, cfg)
     out += next(gen).tokens  # prefill evaluates the prompt's caches: not a round
     monkeypatch.setattr(mx, "eval", counting_eval)
@@ -235,3 +238,33 @@ def test_dflash_round_syncs_with_the_host_once(target, monkeypatch, temperature)
     assert out == ref or temperature > 0
     assert draft_rounds > 5 and len(out) == 40
     assert calls == {"to_host": draft_rounds, "eval": 0}
+
+
+def test_plain_decoding_keeps_a_step_in_flight(target, monkeypatch):
+    """`--mode ar` (and the default where speculation cannot pay) queues each next step before
+    the host reads the current token, as mlx-lm's generate_step does: exact, one step queued a
+    token, and a follow-up prompt on the same session reuses the cache it left."""
+    from mlx_dflash.engine.loop import pipelines, round_function
+    from mlx_dflash.engine.rounds import PipelinedSteps
+
+    ref = mlx_lm_greedy(target, PROMPT, 30)
+    queued = []
+    real = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: (queued.append(1), real(*a))[1])
+    session = Session(target)
+    out, _ = run(session, PROMPT, max_tokens=30, mode="ar")
+    assert out == ref and len(queued) == 30  # a step per round, and the one left in flight
+    prompt2 = PROMPT + ref + [5, 6, 7]
+    monkeypatch.undo()
+    ref2 = mlx_lm_greedy(target, prompt2, 20)
+    rounds = list(generate_rounds(session, prompt2, GenerationConfig(max_tokens=20, mode="ar")))
+    assert rounds[0].prefill_tokens <= 4
+    assert [t for r in rounds for t in r.tokens] == ref2
+    cfg = GenerationConfig(mode="ar")
+    assert isinstance(round_function(Session(target), cfg), PipelinedSteps)
+    # Host work between tokens, or a target that does not run alone: one step at a time.
+    assert not pipelines(Session(target), GenerationConfig(mode="ar", logprobs=2), None)
+    sampled = GenerationConfig(mode="ar", sampling=SamplingParams(1.0))
+    assert not pipelines(Session(target), sampled, None)
+    monkeypatch.setattr(type(target), "runs_alone", property(lambda self: False))
+    assert not pipelines(Session(target), cfg, None)

@@ -59,10 +59,10 @@ def test_generate_default_pair_matches_mlx_lm(run_cli, mode):
 def test_auto_budget_joins_lookup_branches_by_default(run_cli):
     """`--mode ddtree --budget auto` takes prompt-lookup branches unless --lookup says
     otherwise (a fixed budget does not), and stays the target's own greedy text."""
-    from mlx_dflash.cli.options import generation_config
+    from mlx_dflash.cli.options import Flags
 
     def lookup(budget, n=None):
-        return generation_config(8, 0.0, 1.0, 0, None, "ddtree", None, budget, n).lookup
+        return Flags(8, mode="ddtree", budget=budget, lookup=n).config().lookup
 
     assert lookup("auto") == 10 and lookup("auto", 0) == 0 and lookup("auto", 4) == 4
     assert lookup(8) == 0 and lookup("8") == 0

@@ -280,7 +280,7 @@ def test_ar_matches_mlx_lm(target):
 
 @pytest.mark.parametrize(
     "mode,budget,branching",
-    [("dflash", 1, None), ("ddtree", 4, None), ("ddtree", 16, None), ("ddtree", 8, 1)],
+    [("dflash", None, None), ("ddtree", 4, None), ("ddtree", 16, None), ("ddtree", 8, 1)],
 )
 def test_speculative_greedy_exact(target, mode, budget, branching):
     ref = mlx_lm_greedy(target, PROMPT, N)

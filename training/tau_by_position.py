@@ -39,7 +39,9 @@ from mlx_dflash.training.forward import drafter_blocks, target_taps
 
 def decode(target, drafter, ids: list[int], max_tokens: int):
     """The answer's tokens and (anchor offset, accepted, not the last round) of every DFlash round."""
-    cfg = GenerationConfig(max_tokens=max_tokens, stop_ids=stop_ids(target.tokenizer))
+    cfg = GenerationConfig(
+        max_tokens=max_tokens, mode="dflash", stop_ids=stop_ids(target.tokenizer)
+    )
     session = Session(target, DrafterRunner(drafter, target))
     out, rounds = [], []
     for rnd in generate_rounds(session, ids, cfg):

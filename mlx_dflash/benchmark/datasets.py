@@ -65,6 +65,9 @@ PACKAGED: dict[str, Path] = {
     # Structured output (issue 31): extraction into a schema, function arguments, nested
     # objects; each line carries the JSON schema its answer must follow.
     "structured": Path(__file__).parent / "data" / "structured.jsonl",
+    # Story openings in TinyStories' style: the home ground of the embedded stories260K pair
+    # (a 1 MB model knows nothing else; its tau on GSM8K says nothing about the engine).
+    "stories": Path(__file__).parent / "data" / "stories.jsonl",
 }
 
 

@@ -191,6 +191,10 @@ def print_report(results: dict[str, Any], console) -> None:
             ),
         )
     console.print(table)
+    chosen = results.get("default")
+    if chosen:
+        note = f" ({chosen['note']})" if chosen.get("note") else ""
+        console.print(f"default = {chosen['ran']}{note}")
     if results["settings"].get("profile"):
         print_profile(results, console)
     ident = results["identical"]

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..distributed import LOCAL
 from ..engine import GenerationConfig, SamplingParams, Session, Stats, parse_budget, stream_generate
+from ..engine.choice import default_mode, describe
 from ..engine.corpus import AnswerCorpus, live_corpus, load_corpus
 from ..engine.session import DEFAULT_LOOKUP, uses_drafter
 from ..errors import DFlashError
@@ -22,7 +24,9 @@ from ..prompts import encode_prompt, stop_ids
 from .datasets import load_grammars, load_prompts
 from .report import check_identical, speedups, summarize
 
-DEFAULT_METHODS = "mlx-lm,ar,dflash,ddtree:auto"
+# "default" is what `generate` runs when told nothing (engine/choice.py), resolved for the
+# loaded pair on this machine; the table's footer says what it was.
+DEFAULT_METHODS = "mlx-lm,default,ar,dflash"
 WARMUP_TOKENS = 8
 
 
@@ -30,6 +34,7 @@ WARMUP_TOKENS = 8
 # branch, whether its lookup also reads the --lookup-corpus)
 METHODS = {
     "mlx-lm": ("mlx-lm", False, 0, False),
+    "default": ("default", False, None, False),
     "ar": ("ar", False, 0, False),
     "dflash": ("dflash", False, 0, False),
     "ddtree": ("ddtree", True, 0, False),
@@ -43,12 +48,12 @@ METHODS = {
 @dataclass(frozen=True)
 class Method:
     label: str  # as the user wrote it: "ddtree:16"
-    mode: str  # "mlx-lm" | "ar" | "dflash" | "ddtree" | "lookup"
-    budget: int | str = 16
-    lookup: int = 0  # prompt-lookup tokens per branch (ddtree+lookup, lookup)
+    mode: str  # "mlx-lm" | "default" | "ar" | "dflash" | "ddtree" | "lookup"
+    budget: int | str | None = None  # None: the mode's default (GenerationConfig)
+    lookup: int | None = 0  # prompt-lookup tokens per branch (ddtree+lookup, lookup)
     # The past answers its lookup also reads (the +corpus methods); an AnswerCorpus of its
-    # own grows with its answers (--grow-corpus).
-    corpus: str | AnswerCorpus | None = None
+    # own grows with its answers (--grow-corpus); "": none; None: the drafter's own.
+    corpus: str | AnswerCorpus | None = ""
 
 
 def parse_methods(
@@ -67,10 +72,11 @@ def parse_methods(
         mode, budgeted, look, reads = METHODS.get(name, (None, False, 0, False))
         if mode is None or (arg and not budgeted):
             raise DFlashError(
-                f"Unknown method '{item}' (use mlx-lm, ar, dflash, ddtree[:BUDGET], "
+                f"Unknown method '{item}' (use mlx-lm, default, ar, dflash, ddtree[:BUDGET], "
                 "lookup[:BUDGET], ddtree+lookup[:BUDGET], or either lookup with +corpus)."
             )
-        source: str | AnswerCorpus | None = None
+        # "": no corpus; None: the drafter's own, as `generate` reads it (the default method)
+        source: str | AnswerCorpus | None = None if mode == "default" else ""
         if reads and grows:
             source = live_corpus(corpus)  # (a bad file is one sentence before any model loads)
         elif reads:
@@ -80,7 +86,8 @@ def parse_methods(
                 )
             load_corpus(corpus)
             source = corpus
-        out.append(Method(item, mode, parse_budget(arg or "16"), look, source))
+        budget = parse_budget(arg or "16") if budgeted else None
+        out.append(Method(item, mode, budget, look, source))
     if not out:
         raise DFlashError("--methods names no method.")
     labels = [m.label for m in out]
@@ -291,8 +298,7 @@ def run_bench(
     names = _dataset_names(datasets)
     prompt_sets = {n: load_prompts(n, data_dir, limit) for n in names}
     grammars = {n: load_grammars(n, len(ps)) for n, ps in prompt_sets.items()}
-    needs_drafter = any(uses_drafter(m.mode) for m in meths)
-    target, runner = load_pair(model, drafter, "dflash" if needs_drafter else "ar")
+    target, runner, meths, chosen = _load(model, drafter, meths)
     tok = target.tokenizer
     if context:
         prompt_sets = {n: with_context(tok, ps, context) for n, ps in prompt_sets.items()}
@@ -313,11 +319,8 @@ def run_bench(
     first = next(iter(encoded))  # (its first prompt's grammar warms llguidance's tokenizer)
     _warm_up(meths, target, runner, encoded[first][0], cfg, grammars[first][0], update)
     runs, outputs = _run_all(meths, target, runner, encoded, grammars, cfg, bool(context), update)
-    rows = [
-        {"dataset": n, "method": m.label, **summarize(runs[n][m.label])}
-        for n in encoded
-        for m in meths
-    ]
+    rows = [{"dataset": n, "method": m.label, **summarize(runs[n][m.label])}
+            for n in encoded for m in meths]  # fmt: skip
     if chat_template is None:
         chat_template = bool(getattr(tok, "chat_template", None))
     asked.pop("progress")
@@ -326,6 +329,8 @@ def run_bench(
         "model": model or "stories260K (embedded)",
         "drafter": drafter,
         "drafter_kind": runner.cfg.describe() if runner is not None else None,
+        # what the "default" method ran (engine/choice.py), and why where it is not DDTree
+        "default": _default_ran(chosen, cfg, runner),
         "settings": {
             **asked,
             "methods": [m.label for m in meths],
@@ -337,6 +342,29 @@ def run_bench(
         "results": rows,
         "identical": check_identical(outputs, greedy=temp <= 0),
     }
+
+
+def _load(model, drafter, meths: list[Method]):
+    """(target, runner, the methods with "default" resolved, the Choice it resolved to or
+    None): the pair loaded as `generate` would load it for the default (engine/choice.py)."""
+    needs_drafter = any(uses_drafter(m.mode) for m in meths)
+    default = any(m.mode == "default" for m in meths)
+    # (mode None: the drafter where one is known, none where none is)
+    load_mode = "ddtree" if needs_drafter else None if default else "ar"
+    target, runner = load_pair(model, drafter, load_mode, world=LOCAL)
+    if not default:
+        return target, runner, meths, None
+    chosen = default_mode(target, runner, model)
+    meths = [dataclasses.replace(m, mode=chosen.mode, lookup=None) if m.mode == "default"
+             else m for m in meths]  # fmt: skip
+    return target, runner, meths, chosen
+
+
+def _default_ran(chosen, cfg: GenerationConfig, runner) -> dict | None:
+    if chosen is None:
+        return None
+    ran = dataclasses.replace(cfg, mode=chosen.mode, budget=None, lookup=None)
+    return {"ran": describe(ran, runner), "note": chosen.note}
 
 
 def _dataset_names(datasets: str | list[str]) -> list[str]:

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import DFlashError
+from ..errors import DFlashError, NoDrafterKnown
 from ..paths import ASSETS
 
 # Where the facts below were read (the ids, the drafter kind, the target's model_type).
@@ -214,7 +214,7 @@ def find_drafter(model: str | Path) -> str:
     for target, drafter in known.items():
         if base_name(target) == name:
             return drafter
-    raise DFlashError(f"No published DFlash drafter is known for '{model}'; pass --drafter.")
+    raise NoDrafterKnown(f"No published DFlash drafter is known for '{model}'; pass --drafter.")
 
 
 def refusal(pair: Pair) -> str | None:

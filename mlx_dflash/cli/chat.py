@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 import typer
 
 from ..conversation import Conversation
-from ..models.pair import load_pair
+from ..engine.choice import describe
 from ..prompts import stop_ids
 from . import options as opts
 
@@ -179,19 +179,16 @@ def chat_command(
     """Chat with a model in the terminal (/help for commands); scriptable through stdin."""
     from .. import distributed
 
-    cfg = opts.generation_config(
+    flags = opts.Flags(
         max_tokens, temp, top_p, top_k, seed, mode, block_size, budget, lookup, lookup_corpus
     )
     world = distributed.init()  # several ranks under mlx.launch: a sharded target
-    target, runner = load_pair(model, drafter, mode, world)
-    cfg = opts.default_corpus(cfg, runner)
-    if world.is_main:
-        opts.print_slow_verify_note(target, model, mode)
+    target, runner, cfg = opts.load_settled(flags, model, drafter, world)
     cfg = dataclasses.replace(cfg, stop_ids=stop_ids(target.tokenizer))
     chat = Conversation(target, runner, cfg, system, chat_template, thinking)
     io = SharedIO(RichIO() if sys.stdin.isatty() and sys.stdout.isatty() else PlainIO(), world)
     if isinstance(io.io, RichIO):
-        io.notice(f"dflash-mlx chat ({mode}) - /help for commands, /exit to quit")
+        io.notice(f"dflash-mlx chat ({describe(cfg, runner)}) - /help for commands, /exit to quit")
     if not chat.templated:
         io.notice("This model has no chat template: turns are joined as plain text.")
     run_chat(chat, io)

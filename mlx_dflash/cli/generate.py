@@ -10,7 +10,7 @@ import typer
 
 from .. import distributed
 from ..engine import Session, Stats, stream_generate
-from ..models.pair import load_pair
+from ..engine.choice import describe
 from ..prompts import encode_prompt, stop_ids
 from . import options as opts
 
@@ -41,15 +41,14 @@ def generate_command(
     """Generate text with DFlash / DDTree speculative decoding (or plain decoding: --mode ar)."""
     if prompt == "-":
         prompt = sys.stdin.read()
-    cfg = opts.generation_config(
+    flags = opts.Flags(
         max_tokens, temp, top_p, top_k, seed, mode, block_size, budget, lookup, lookup_corpus
     )
-    cfg = dataclasses.replace(cfg, grammar=opts.grammar_spec(json_schema, regex, lark))
+    grammar = opts.grammar_spec(json_schema, regex, lark)
+    flags.config()  # every flag checked before any model loads
     world = distributed.init()  # several ranks under mlx.launch: a sharded target
-    target, runner = load_pair(model, drafter, mode, world)
-    cfg = opts.default_corpus(cfg, runner)
-    if world.is_main:
-        opts.print_slow_verify_note(target, model, mode)
+    target, runner, cfg = opts.load_settled(flags, model, drafter, world)
+    cfg = dataclasses.replace(cfg, grammar=grammar)
     ids = encode_prompt(target.tokenizer, prompt, chat_template, system, thinking)
     cfg = dataclasses.replace(cfg, stop_ids=stop_ids(target.tokenizer))
     session = Session(target, runner if cfg.uses_drafter else None)
@@ -73,8 +72,10 @@ def generate_command(
             "world_size": world.size,
             "host_decisions": {"broadcasts": world.collectives, "bytes": world.bytes_agreed},
         }
-        print(json.dumps({"text": "".join(text), "mode": mode, **stats.to_dict(), **extra}))
+        what = {"mode": cfg.mode, "budget": cfg.budget, "lookup": cfg.lookup}
+        what["configuration"] = describe(cfg, runner)
+        print(json.dumps({"text": "".join(text), **what, **stats.to_dict(), **extra}))
         return
     sys.stdout.write("\n")
     if not quiet_stats:
-        print(stats.line(), file=sys.stderr)
+        print(f"{describe(cfg, runner)} | {stats.line()}", file=sys.stderr)

@@ -4,12 +4,14 @@ settings they make."""
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 
 import typer
 
 from ..engine import GenerationConfig, SamplingParams
-from ..engine.session import default_lookup, speculates
+from ..engine.choice import default_mode
+from ..engine.session import speculates
 from ..errors import DFlashError
 
 MODEL = typer.Option(
@@ -22,9 +24,21 @@ TEMP = typer.Option(0.0, "--temp", min=0.0, help="0 = greedy.")
 TOP_P = typer.Option(1.0, "--top-p", min=0.0, max=1.0)
 TOP_K = typer.Option(0, "--top-k", min=0)
 SEED = typer.Option(None, "--seed")
-MODE = typer.Option("dflash", "--mode", help="dflash | ddtree | lookup (no drafter) | ar")
+MODE = typer.Option(
+    None,
+    "--mode",
+    help="ddtree | dflash | lookup | ar. ddtree: draft trees with prompt-lookup branches; "
+    "dflash: z-lab's chain; lookup: prompt lookup alone (no drafter); ar: plain decoding. "
+    "Default: ddtree, or lookup where no drafter is known, or ar where this machine's verify "
+    "costs as many plain steps as it has tokens (measured once).",
+)
 BLOCK_SIZE = typer.Option(None, "--block-size", help="At most the drafter's.")
-BUDGET = typer.Option("16", "--budget", help="DDTree node budget, or 'auto'.")
+BUDGET = typer.Option(
+    None,
+    "--budget",
+    help="Tokens verified after the root each round (a number), or 'auto': sized every round "
+    "from the measured verify cost. Default: auto (--mode dflash: the drafter's whole block).",
+)
 CHAT_TEMPLATE = typer.Option(
     None, "--chat-template/--no-chat-template", help="Default: use it when the model has one."
 )
@@ -51,7 +65,6 @@ LOOKUP_CORPUS = typer.Option(
     "branches (docs/lookup.md). Default: the drafter's own, where it ships one; 'none': off. "
     "serve adds each answer it serves (in memory; --keep-answers keeps them).",
 )
-CORPUS_FILE = "lookup-corpus.jsonl.gz"  # in a drafter folder: its target's answers
 
 
 JSON_SCHEMA = typer.Option(
@@ -92,43 +105,80 @@ def grammar_spec(json_schema: str | None, regex: str | None, lark: str | None):
     return GrammarSpec(kind, text)
 
 
-def generation_config(
-    max_tokens, temp, top_p, top_k, seed, mode, block_size, budget, lookup=None, corpus=None
-) -> GenerationConfig:
-    """The engine settings behind the shared flags, checked before any model is loaded (the
-    stop tokens are the tokenizer's, set once it is; a lookup corpus is read and indexed)."""
-    from ..engine.corpus import load_corpus
+@dataclass(frozen=True)
+class Flags:
+    """The engine flags as typed (None: not given), turned into a GenerationConfig twice:
+    checked before any model loads, and final once the pair is loaded and the mode chosen."""
 
-    corpus = "" if corpus == "none" else corpus  # "": no corpus, not even the drafter's
-    cfg = GenerationConfig(
-        max_tokens=max_tokens,
-        sampling=SamplingParams(temp, top_p, top_k),
-        seed=seed,
-        mode=mode,
-        block_size=block_size,
-        budget=budget,
-        lookup=default_lookup(mode, budget) if lookup is None else lookup,
-        lookup_corpus=corpus,
-    )
-    if corpus:
-        load_corpus(corpus)
-    return cfg
+    max_tokens: int
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    mode: str | None = None
+    block_size: int | None = None
+    budget: str | None = None
+    lookup: int | None = None
+    corpus: str | None = None
+
+    def config(self, mode: str | None = None) -> GenerationConfig:
+        """The settings for `mode` (the typed one, else the default's DDTree), checked; a
+        lookup corpus is read and indexed here."""
+        from ..engine.corpus import load_corpus
+
+        corpus = "" if self.corpus == "none" else self.corpus  # "": none, not the drafter's
+        cfg = GenerationConfig(
+            max_tokens=self.max_tokens,
+            sampling=SamplingParams(self.temp, self.top_p, self.top_k),
+            seed=self.seed,
+            mode=mode or self.mode or "ddtree",
+            block_size=self.block_size,
+            budget=self.budget,
+            lookup=self.lookup,
+            lookup_corpus=corpus,
+        )
+        if corpus:
+            load_corpus(corpus)
+        return cfg
+
+    def settle(self, target, runner, model: str | None) -> tuple[GenerationConfig, str | None]:
+        """The final settings for the loaded pair, and a line to tell the user where the
+        default chose other than DDTree (engine/choice.py)."""
+        if self.mode is not None:
+            return default_corpus(self.config(), runner), None
+        choice = default_mode(target, runner, model)
+        flags = self
+        if not speculates(choice.mode):  # nothing drafts: the speculation flags have nothing to set
+            flags = dataclasses.replace(self, budget=None, lookup=None, corpus=None)
+        return default_corpus(flags.config(choice.mode), runner), choice.note
+
+
+def load_settled(flags: Flags, model, drafter, world):
+    """(target, drafter runner, final settings): the flags checked before any model loads, the
+    pair loaded, the default chosen (engine/choice.py) and any notes said once on stderr."""
+    from ..models.pair import load_pair
+
+    flags.config()
+    target, runner = load_pair(model, drafter, flags.mode, world)
+    cfg, note = flags.settle(target, runner, model)
+    if world.is_main:
+        if note:
+            typer.echo(f"note: {note}", err=True)
+        print_slow_verify_note(target, model, cfg.mode)
+    return target, runner, cfg
 
 
 def default_corpus(cfg: GenerationConfig, runner) -> GenerationConfig:
-    """The drafter folder's lookup corpus (the answers of the target it was trained on, as the
+    """The drafter's own lookup corpus (the answers of the target it was trained on, as the
     shipped drafters carry them), where lookup runs and no --lookup-corpus was given; read
     and indexed here, as a given one is, so a damaged file stops before any output."""
     from ..engine.corpus import load_corpus
 
-    folder = getattr(getattr(runner, "drafter", None), "folder", None)
-    if not cfg.lookup or cfg.lookup_corpus is not None or folder is None:
-        return cfg
-    path = Path(folder) / CORPUS_FILE
-    if not path.is_file():
+    path = None if runner is None else runner.corpus_file
+    if not cfg.lookup or cfg.lookup_corpus is not None or path is None:
         return cfg
     load_corpus(path)
-    return dataclasses.replace(cfg, lookup_corpus=str(path))
+    return dataclasses.replace(cfg, lookup_corpus=path)
 
 
 def slow_verify_note(target, model: str | None, mode: str) -> str | None:

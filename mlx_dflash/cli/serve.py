@@ -7,8 +7,8 @@ from pathlib import Path
 
 import typer
 
+from ..engine.choice import describe
 from ..errors import DFlashError
-from ..models.pair import load_pair
 from . import options as opts
 
 MAX_BATCH = typer.Option(
@@ -71,14 +71,12 @@ def serve_command(
     from .. import distributed
     from ..server.http import App, ServerConfig, make_server
 
-    cfg = opts.generation_config(
+    flags = opts.Flags(
         max_tokens, temp, top_p, top_k, None, mode, block_size, budget, lookup, lookup_corpus
     )
     world = distributed.init()  # several ranks under mlx.launch: rank 0 serves HTTP
-    target, runner = load_pair(model, drafter, mode, world)
-    cfg = opts.default_corpus(cfg, runner)  # (the engine config every request starts from)
-    if world.is_main:
-        opts.print_slow_verify_note(target, model, mode)
+    # (cfg: the engine config every request starts from)
+    target, runner, cfg = opts.load_settled(flags, model, drafter, world)
     served = name or (Path(model).name if model else "stories260K")
     aliases = tuple(a for a in (model, Path(model).name if model else None) if a)
     keep = str(keep_answers) if keep_answers else None
@@ -95,7 +93,8 @@ def serve_command(
     base_url = f"http://{host}:{server.server_address[1]}/v1"
     log = app.worker.answer_log
     kept = f"; {log.kept} kept answers read from {log.path}" if log is not None else ""
-    print(f"Serving '{served}' ({mode}) at OpenAI base_url {base_url}{kept}; Ctrl-C stops.",
+    ran = describe(cfg, runner if cfg.uses_drafter else None)
+    print(f"Serving '{served}' ({ran}) at OpenAI base_url {base_url}{kept}; Ctrl-C stops.",
           file=sys.stderr, flush=True)  # fmt: skip
     try:
         server.serve_forever()

@@ -242,6 +242,10 @@ class BatchedTarget:
         return self._batcher
 
     @property
+    def runs_alone(self) -> bool:
+        return False  # its forwards wait for the other rows'
+
+    @property
     def unbatched(self):
         """The target itself (forwards of its own: the auto budget's one-time profile)."""
         return self._target

@@ -48,7 +48,9 @@ class VerifyProfile:
         return VerifyProfile(self.sizes, self.seconds * speed)
 
     @classmethod
-    def measure(cls, target, context: int = 256, repeats: int = 3) -> VerifyProfile:
+    def measure(
+        cls, target, context: int = 256, repeats: int = 3, sizes: tuple[int, ...] = SIZES
+    ) -> VerifyProfile:
         """Time chain-shaped verifies of each size after `context` cached tokens."""
         session = Session(target)
         prompt = (np.arange(context) % max(2, target.vocab_size - 1)).tolist()
@@ -61,7 +63,7 @@ class VerifyProfile:
         mx.eval(logits, [c.state_arrays for c in session.cache])
         session.mark_prompt_end()  # recurrent layers (hybrid targets) rewind to here
         secs = []
-        for n in cls.SIZES:
+        for n in sizes:
             parents = np.arange(-1, n - 1)
             best = float("inf")
             for _ in range(repeats + 1):
@@ -71,16 +73,18 @@ class VerifyProfile:
                 best = min(best, time.perf_counter() - t0)
                 session.commit([])  # keep nothing: every cache back to the context
             secs.append(best)
-        return cls(cls.SIZES, secs)
+        return cls(sizes, secs)
 
     @classmethod
-    def load_or_measure(cls, target, key: str) -> VerifyProfile:
+    def load_or_measure(
+        cls, target, key: str, sizes: tuple[int, ...] = SIZES, repeats: int = 3
+    ) -> VerifyProfile:
         path = cache_root() / "profiles" / f"{key}.json"
         prof = cls._load(path)
         # Measuring runs forwards, which all ranks of a sharded target must run together.
         if target.world.all_true(prof is not None):
             return prof
-        prof = cls.measure(target)
+        prof = cls.measure(target, repeats=repeats, sizes=sizes)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"sizes": list(prof.sizes), "seconds": list(prof.seconds)}))
@@ -97,6 +101,41 @@ class VerifyProfile:
             except (ValueError, KeyError):
                 pass  # a damaged profile is simply measured again
         return None
+
+
+# Whether speculation can pay on this machine at all: a verify of PROBE_TOKENS tokens must
+# cost at most PROBE_TOKENS / MIN_IDEAL_SPEEDUP plain steps, or even drafts that were all
+# accepted would win less than MIN_IDEAL_SPEEDUP over plain decoding, before any draft cost.
+# On this CPU a float32 target verifies 8 tokens for ~1.3 steps (BLAS), a 4-bit one for ~7
+# (MLX's CPU quantized matmul is linear in the rows); on Apple GPUs stock MLX's 4-bit 8-row
+# verify costs 1.7-2.7 steps (docs/kernels.md), so speculation stays on there.
+PROBE_TOKENS = 8
+MIN_IDEAL_SPEEDUP = 2.0
+
+
+def profile_name(target) -> str:
+    """The cache name of the target's verify profile: per model and machine (paths.profile_key),
+    and apart for a forward padded to BLAS's cheaper row counts (models/rows.py)."""
+    padded = "-padded" if getattr(target, "padding", None) is not None else ""
+    return profile_key(target) + padded
+
+
+def verify_steps(target) -> float:
+    """What a verify of PROBE_TOKENS tokens costs in plain steps on this machine: from the
+    cached verify profile, else a quick probe (two sizes, cached too)."""
+    target = getattr(target, "unbatched", target)
+    name = profile_name(target)
+    prof = VerifyProfile._load(cache_root() / "profiles" / f"{name}.json")
+    if not target.world.all_true(prof is not None):
+        prof = VerifyProfile.load_or_measure(
+            target, name + "-probe", sizes=(1, PROBE_TOKENS), repeats=2
+        )
+    return float(prof.cost(PROBE_TOKENS) / max(float(prof.cost(1)), 1e-9))
+
+
+def speculation_pays(target) -> bool:
+    """Whether drafting can beat plain decoding on this target and machine (measured)."""
+    return PROBE_TOKENS / verify_steps(target) >= MIN_IDEAL_SPEEDUP
 
 
 class MarginalProfile:
@@ -304,9 +343,7 @@ class AutoBudget:
         (on the target itself when it is batched: alone, not inside someone's batch)."""
         batch = getattr(target, "batcher", None)
         target = getattr(target, "unbatched", target)
-        # A forward padded to BLAS's cheaper row counts (models/rows.py) has its own profile.
-        padded = "-padded" if getattr(target, "padding", None) is not None else ""
-        policy = cls(VerifyProfile.load_or_measure(target, profile_key(target) + padded))
+        policy = cls(VerifyProfile.load_or_measure(target, profile_name(target)))
         policy.batch = batch
         return policy
 

@@ -65,6 +65,9 @@ class Drafter(Protocol):
     oracle. It holds context for exactly the positions the target's cache holds."""
 
     block_size: int
+    # The answers of the target it was trained on, shipped beside it (a lookup corpus file,
+    # engine/corpus.py), or None: lookup reads it where GenerationConfig names no corpus.
+    corpus_file: str | None
 
     @property
     def context_len(self) -> int: ...
@@ -127,6 +130,13 @@ class TargetModel(Protocol):
     @property
     def world(self) -> World:
         """Where this target's host decisions are agreed (distributed.LOCAL when unsharded)."""
+        ...
+
+    @property
+    def runs_alone(self) -> bool:
+        """Whether its forwards run as soon as they are asked for, for this caller alone: not
+        a row of a batch (engine/batch.py) waiting for the others, nor a target sharded over
+        ranks that agree every host decision. Plain decoding then keeps a step in flight."""
         ...
 
     def make_cache(self) -> list[Any]:

@@ -213,6 +213,14 @@ def corpus_of(spec: str | AnswerCorpus | None) -> AnswerCorpus | None:
     return load_corpus(spec) if spec else None
 
 
+def lookup_corpus(cfg, drafter) -> str | AnswerCorpus | None:
+    """The corpus a generation's lookup reads: the one its GenerationConfig names (a file or
+    an AnswerCorpus; "" for none), else the drafter's own (Drafter.corpus_file)."""
+    if cfg.lookup_corpus is not None:
+        return cfg.lookup_corpus
+    return None if drafter is None else drafter.corpus_file
+
+
 def live_corpus(spec: str | None) -> AnswerCorpus | None:
     """A corpus of the caller's own that starts as the file's answers (or empty) and grows:
     a copy, so the file's shared index stays as read. None for "" (no corpus at all)."""

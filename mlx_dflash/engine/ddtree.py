@@ -14,7 +14,7 @@ import numpy as np
 
 from .budget import AutoBudget, FixedBudget
 from .contract import Drafter
-from .corpus import corpus_of
+from .corpus import corpus_of, lookup_corpus
 from .grammar import Grammar, grammar_tree, grammar_walk, prune_tree, with_certain_run
 from .lattice import lattice_tree
 from .lookup import MAX_BRANCHES, LookupStats, PromptLookup
@@ -46,12 +46,12 @@ class DDTree:
         self.branching = branching or cfg.branching
         # --mode lookup drafts from the text alone, even when a drafter is loaded.
         self.drafter = session.drafter if cfg.uses_drafter else None
-        self.lookup_len = cfg.lookup
-        self.lookup = PromptLookup() if cfg.lookup > 0 else None
+        self.lookup_len = cfg.lookup or 0  # (GenerationConfig resolved its default)
+        self.lookup = PromptLookup() if self.lookup_len > 0 else None
         self.lookup_stats = LookupStats()
         # The past answers' branches stand in where the text at hand has none; they are
         # accepted at their own rate, so they are cut by their own counts.
-        self.corpus = corpus_of(cfg.lookup_corpus) if self.lookup else None
+        self.corpus = corpus_of(lookup_corpus(cfg, session.drafter)) if self.lookup else None
         self.corpus_stats = LookupStats()
         self.echo_stats = LookupStats()  # PromptLookup.echo's
         self.chain_stats = self.lookup_stats  # the counts this round's branches came with

@@ -16,11 +16,11 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import DFlashError
-from .budget import FixedBudget, budget_policy
+from .budget import budget_policy
 from .ddtree import DDTree
 from .device import compute, wired
 from .grammar import Grammar, compile_grammar
-from .rounds import _pick, block_round, plain_round, prefill, token_logprobs
+from .rounds import PipelinedSteps, _pick, block_round, plain_round, prefill, token_logprobs
 from .session import GenerationConfig, Round, Session
 
 # (last token, drafts allowed this round, rng, tokens max_tokens still allows) -> Round
@@ -32,21 +32,34 @@ def round_function(
 ) -> RoundFn:
     """The one place a generation's kind of round is chosen, from cfg.round_kind.
 
-    Under a grammar a DFlash block is a chain verified as a tree (the best allowed draft at
-    each depth, with the grammar's certain runs), so every speculative mode shares one
-    constrained walk (engine/grammar.py)."""
+    A DFlash chain is a block round (drafts and acceptance on the device, one sync) unless
+    something must see its drafts on the host first: `--budget auto`, which sizes each chain
+    from the drafter's confidence and the measured verify cost, or a grammar (the best
+    allowed draft at each depth, with its certain runs). Then it is a tree round with one
+    child per node, so every speculative mode shares one sizing and one constrained walk."""
     kind, sampling = cfg.round_kind, cfg.sampling
     if kind == "tree":
-        return DDTree(session, cfg, budget_policy(session.target, cfg.budget), grammar)
-    if kind == "block" and grammar is not None:
-        return DDTree(session, cfg, FixedBudget(block - 1), grammar, branching=1)
+        return DDTree(session, cfg, budget_policy(session.target, cfg.budget or "auto"), grammar)
+    if kind == "block" and (grammar is not None or cfg.budget == "auto"):
+        budget = "auto" if cfg.budget == "auto" else block - 1
+        return DDTree(session, cfg, budget_policy(session.target, budget), grammar, branching=1)
     if kind == "block":
         return lambda last, n, rng, room: block_round(
             session, last, n, sampling, rng, cfg.profile, cfg.logprobs
         )
+    if pipelines(session, cfg, grammar):
+        return PipelinedSteps(session)
     return lambda last, n, rng, room: plain_round(
         session, last, sampling, rng, logprobs=cfg.logprobs, grammar=grammar
     )
+
+
+def pipelines(session: Session, cfg: GenerationConfig, grammar: Grammar | None) -> bool:
+    """Whether plain decoding keeps a step in flight (rounds.PipelinedSteps): greedy, with no
+    host work between tokens (a grammar's mask, logprobs, profiling) and a target that runs
+    its forwards alone (not a batch row waiting for others, nor ranks agreeing each token)."""
+    quiet = grammar is None and cfg.logprobs is None and not cfg.profile
+    return cfg.sampling.greedy and quiet and session.target.runs_alone
 
 
 def start_grammar(session: Session, cfg: GenerationConfig) -> Grammar | None:
@@ -95,7 +108,7 @@ def generate_rounds(session: Session, prompt: list[int], cfg: GenerationConfig) 
             room = cfg.max_tokens - emitted - 1  # drafts allowed: never verify past max_tokens
             g0 = grammar.seconds if grammar is not None else 0.0
             with compute():
-                if room == 0:
+                if room == 0 and cfg.round_kind != "plain":
                     rnd = plain_round(
                         session, last, cfg.sampling, rng, logprobs=cfg.logprobs, grammar=grammar
                     )
@@ -125,15 +138,14 @@ def _finish(rnd: Round, emitted: int, cfg: GenerationConfig) -> int:
 
 
 def _block_size(session: Session, cfg: GenerationConfig) -> int:
+    """Slots a round may draft, plus one: --block-size (the drafter's block by default), and
+    for a dflash chain of a fixed --budget N at most N + 1."""
     if session.drafter is None or not cfg.uses_drafter:
         return 1
     native = session.drafter.block_size
-    # A linear block round verifies every slot it drafts: a drafter may prefer fewer than its
-    # block (DFlash 2: models/drafter.py, DFLASH2_LINEAR_BLOCK). Trees keep the whole depth.
-    default = (
-        getattr(session.drafter, "linear_block", native) if cfg.round_kind == "block" else native
-    )
-    bs = cfg.block_size or default
+    bs = cfg.block_size or native
     if bs < 2 or bs > native:
         raise DFlashError(f"Block size must be between 2 and the drafter's {native}, not {bs}.")
+    if cfg.round_kind == "block" and isinstance(cfg.budget, int):
+        bs = min(bs, cfg.budget + 1)
     return bs

@@ -193,3 +193,40 @@ def plain_round(
         assert logits is not None
         lps = token_logprobs(logits, [0], [tok], logprobs, masks)
     return Round([tok], 1, 0, t_verify=time.perf_counter() - t0, logprobs=lps)
+
+
+class PipelinedSteps:
+    """Plain greedy decoding with one step always in flight, as mlx-lm's `generate_step`: the
+    next step's graph is built on the still-lazy token and queued (mx.async_eval) before the
+    host reads this step's token, so Python's graph building overlaps the device's work (on
+    this CPU too: MLX evaluates on a stream thread). The cache then runs one token ahead of
+    the round's `last`, which is committed by the step that produced it; nothing is left to
+    undo when generation stops (the step in flight only wrote the K/V of a committed token).
+
+    For a target that runs alone (not a batch row, not a shard agreeing each token) with no
+    per-token host work (grammar, logprobs, host sampling): the loop (loop.py) decides."""
+
+    def __init__(self, session: Session):
+        self.session = session
+        self.pending: mx.array | None = None  # the next token, lazy
+
+    def _step(self, token: mx.array) -> mx.array:
+        s = self.session
+        logits, _ = s.target.forward(token, s.cache, len(s.tokens), taps=False, rewindable=False)
+        assert logits is not None
+        nxt = mx.argmax(logits[-1:], axis=-1).astype(mx.int32)
+        mx.async_eval(nxt)
+        return nxt
+
+    def __call__(self, last: int, n: int = 0, rng=None, room: int = 0) -> Round:
+        t0 = time.perf_counter()
+        s = self.session
+        if self.pending is None:  # the first step runs `last`, as a plain round would
+            self.pending = self._step(mx.array([last], dtype=mx.int32))
+            s.commit([last])
+        assert s.tokens[-1] == last, "pipelined steps out of sync with the loop"
+        token = self.pending
+        self.pending = self._step(token)  # queued before this token reaches the host
+        tok = int(cast(int, token.item()))
+        s.commit([tok])
+        return Round([tok], 1, 0, t_verify=time.perf_counter() - t0)

@@ -52,11 +52,18 @@ MAX_TOP_LOGPROBS = 20
 
 
 def default_lookup(mode: str, budget) -> int:
-    """The commands' --lookup when it is not given: lookup branches join DDTree trees under
-    --budget auto, which prices them at their measured acceptance and drops them where they
-    do not pay (with them `ddtree:auto` was as fast or faster on every bench set: README
-    "Prompt lookup joins auto trees by default"); none with a fixed budget."""
+    """--lookup when it is not given: lookup branches join DDTree trees under --budget auto,
+    which prices them at their measured acceptance and drops them where they do not pay (with
+    them `ddtree:auto` was as fast or faster on every bench set: README "Prompt lookup joins
+    auto trees by default"); none with a fixed budget."""
     return DEFAULT_LOOKUP if mode == "ddtree" and str(budget) == "auto" else 0
+
+
+def default_budget(mode: str) -> int | str | None:
+    """--budget when it is not given: "auto" for trees (ddtree, lookup) and plain decoding
+    (where it means nothing); None for `dflash`, whose chain is then the drafter's whole block
+    every round, as z-lab's loop verifies it (`--budget auto` sizes each chain instead)."""
+    return None if mode == "dflash" else "auto"
 
 
 @dataclass
@@ -66,14 +73,20 @@ class GenerationConfig:
     max_tokens: int = 256
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int | None = None
-    mode: str = "dflash"
+    # The defaults are the fastest configuration measured (README "The default configuration"):
+    # DDTree trees sized by --budget auto, with prompt-lookup branches and the drafter's corpus.
+    mode: str = "ddtree"
     block_size: int | None = None  # None: the drafter's
-    budget: int | str = 16  # DDTree node budget, or "auto"
+    # Nodes verified after the root: a DDTree budget, a dflash chain's drafts, or "auto" (sized
+    # each round from the measured verify cost); None: default_budget(mode).
+    budget: int | str | None = None
     branching: int | None = None  # DDTree: max children per node (None: the budget; 1: a chain)
-    lookup: int = 0  # prompt lookup: tokens per branch joining the tree (0: none)
+    # Prompt lookup: tokens per branch joining the tree (0: none; None: default_lookup).
+    lookup: int | None = None
     # Lookup in the target's past answers where the text at hand has no match (corpus.py):
     # a JSONL file of {"tokens": [...]} lines, or an AnswerCorpus of the caller's (serve's
-    # grows with its answers); None or "": the text at hand only.
+    # grows with its answers); None: the drafter's own corpus where its folder ships one
+    # (engine/corpus.py, drafter_corpus); "": the text at hand only.
     lookup_corpus: str | AnswerCorpus | None = None
     prefill_chunk: int = 512
     # Report each emitted token's log-probability under the target, with this many top
@@ -89,7 +102,12 @@ class GenerationConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise DFlashError(f"Unknown mode '{self.mode}' (choose from {', '.join(MODES)}).")
-        self.budget = parse_budget(self.budget)
+        if self.budget is None:
+            self.budget = default_budget(self.mode)
+        if self.budget is not None:
+            self.budget = parse_budget(self.budget)
+        if self.lookup is None:
+            self.lookup = default_lookup(self.mode, self.budget)
         if not isinstance(self.lookup, int) or self.lookup < 0:
             raise DFlashError(f"--lookup must be a number of tokens >= 0, not {self.lookup}.")
         if self.lookup and self.mode not in ("ddtree", "lookup"):

@@ -35,14 +35,9 @@ from .drafter_config import DrafterConfig
 # CPU the LM head over the full vocabulary is most of a draft's cost (EAGLE-3's draft vocabulary
 # is the same idea). Other DFlash implementations ignore the file and use the full vocabulary.
 DRAFT_VOCAB_FILE = "draft_vocab.json"
-
-
-# The block a DFlash 2 drafter's linear (`--mode dflash`) rounds verify by default: measured on
-# the SmolLM2 DFlash 2 drafter trained here (training/README.md, "DFlash 2"), its chain of 4
-# drafts accepts as much as its chain of 7 (tau 1.65 vs 1.66 on GSM8K, equal within 0.01 on
-# HumanEval, MT-Bench and mixed), while a 5-token verify costs less than an 8-token one; z-lab's
-# reference advises at most 5 on MLX with quantized targets. `--block-size` overrides it.
-DFLASH2_LINEAR_BLOCK = 5
+# Optional, beside config.json: the answers of the target the drafter was trained on (as
+# `train` writes them), which lookup reads where no corpus is named (engine/corpus.py).
+CORPUS_FILE = "lookup-corpus.jsonl.gz"
 
 
 class DrafterAttention(nn.Module):
@@ -147,6 +142,7 @@ class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.cfg = cfg
+        self.folder: Path | None = None  # where it was loaded from (load_drafter)
         h = cfg.hidden_size
         self.fc = nn.Linear(cfg.num_taps * h, h, bias=False)
         self.hidden_norm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
@@ -224,10 +220,9 @@ class DrafterRunner:
         self.cfg = drafter.cfg
         self.target = target
         self.block_size = self.cfg.block_size
-        self.linear_block = self.block_size
-        if self.cfg.kind == "dflash2":
-            self.linear_block = min(self.block_size, DFLASH2_LINEAR_BLOCK)
         self.kind = self.cfg.kind
+        corpus = None if drafter.folder is None else Path(drafter.folder) / CORPUS_FILE
+        self.corpus_file = str(corpus) if corpus is not None and corpus.is_file() else None
         self._cache = drafter.make_cache()
         # Taps waiting to be projected: while plain steps run (auto's pauses, batched rows),
         # they pile up and are projected in one matmul when a draft next needs them.
@@ -443,7 +438,7 @@ def load_drafter(
     except (ValueError, RuntimeError) as e:
         raise DFlashError(f"Could not load the drafter weights in {path}: {e}") from None
     model.draft_vocab = read_draft_vocab(path, cfg.vocab_size)
-    model.folder = path  # (a lookup corpus shipped beside it: cli/options.default_corpus)
+    model.folder = path  # (a lookup corpus shipped beside it: DrafterRunner.corpus_file)
     return model
 
 

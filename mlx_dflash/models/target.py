@@ -239,6 +239,11 @@ class Target:
         """The row count n tokens' dense layers run at."""
         return n if self.padding is None else self.padding(n)
 
+    @property
+    def runs_alone(self) -> bool:
+        """Unsharded (a sharded target's ranks agree every token: engine/contract.py)."""
+        return not self.world.sharded
+
     def set_taps(self, tap_ids) -> None:
         tap_ids = [int(t) for t in tap_ids]
         for t in tap_ids:

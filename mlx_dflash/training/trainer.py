@@ -123,7 +123,9 @@ def pick_mask_token(target) -> int:
 def eval_tau(drafter: DFlashDrafter, target, prompts: list[list[int]], max_tokens: int) -> dict:
     """Mean tau of real DFlash greedy decoding (the engine itself) on held-out prompts."""
     target.set_taps(drafter.cfg.target_layer_ids)
-    cfg = GenerationConfig(max_tokens=max_tokens, stop_ids=stop_ids(target.tokenizer))
+    cfg = GenerationConfig(
+        max_tokens=max_tokens, mode="dflash", stop_ids=stop_ids(target.tokenizer)
+    )
     total, per_prompt = Stats(), []
     for ids in prompts:
         session = Session(target, DrafterRunner(drafter, target))
