@@ -19,60 +19,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
 import mlx_dflash  # noqa: F401  (first: OpenBLAS before mlx)
+from mlx_dflash.benchmark import servers
 from mlx_dflash.benchmark.datasets import load_prompts
 
-MLX_LM_SERVER = (
-    "import sys; import mlx_dflash._blas as b; b.load_openblas(); "
-    "from mlx_lm.server import main; sys.argv[0] = 'mlx_lm.server'; main()"
-)
-
-
-MODEL_ID: dict[str, str] = {}  # the id each server lists first
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+MODEL_ID: dict[str, str] = {}  # the id each server serves
 
 
 def start(kind: str, args) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    if kind == "mlx-lm":
-        cmd = [sys.executable, "-c", MLX_LM_SERVER, "--model", args.model, "--port", str(port)]
-    else:
-        cmd = [str(Path(sys.executable).parent / "dflash-mlx"), "serve", "-m", args.model,
-               "--port", str(port), "--mode", args.mode, "--budget", args.budget,
-               "--max-batch", "1" if kind == "single" else str(args.max_batch)]  # fmt: skip
-        if args.drafter:
-            cmd += ["-d", args.drafter]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{kind} server exited: {proc.stderr.read()[-2000:]}")
-        try:
-            if kind == "mlx-lm":  # (its /v1/models lists the hub cache; it serves --model)
-                urllib.request.urlopen(url + "/health", timeout=2).read()
-                MODEL_ID[url] = args.model
-            else:
-                models = json.loads(urllib.request.urlopen(url + "/v1/models", timeout=2).read())
-                MODEL_ID[url] = models["data"][0]["id"]
-            return proc, url
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"{kind} server did not start in 300 s")
+    extra = []
+    if kind != "mlx-lm":
+        extra = ["--mode", args.mode, "--budget", args.budget,
+                 "--max-batch", "1" if kind == "single" else str(args.max_batch)]  # fmt: skip
+        extra += ["-d", args.drafter] if args.drafter else []
+    server = servers.start(kind, args.model, extra)
+    MODEL_ID[server.url] = server.model
+    return server.proc, server.url
 
 
 def ask(url: str, prompt: str, max_tokens: int) -> dict:

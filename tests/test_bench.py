@@ -127,7 +127,11 @@ def test_parse_methods():
         Method("lookup:auto", "lookup", "auto", DEFAULT_LOOKUP),
         Method("ddtree+lookup:8", "ddtree", 8, DEFAULT_LOOKUP),
     ]
-    for bad in ("eagle", "dflash:3", "ddtree:0", "ddtree:x", "ar,ar", "", "lookup:0"):
+    assert parse_methods("dflash:3,dflash:auto") == [
+        Method("dflash:3", "dflash", 3, 0, ""),
+        Method("dflash:auto", "dflash", "auto", 0, ""),
+    ]
+    for bad in ("eagle", "dflash:0", "ddtree:0", "ddtree:x", "ar,ar", "", "lookup:0"):
         with pytest.raises(DFlashError):
             parse_methods(bad)
 
@@ -255,3 +259,22 @@ def test_structured_set_answers_under_each_prompts_schema(pair, tmp_path):
         if row["method"] not in ("mlx-lm", "ar"):  # '{"pick":"' is certain: verified in one go
             assert row["grammar_drafts_accepted"] > 0, row["method"]
     assert "valid" in r.stdout and "grammar" in r.stdout
+
+
+def test_the_default_method_is_what_generate_runs(pair, data_dir, tmp_path):
+    """`default` runs what `generate` runs when told nothing (engine/choice.py), resolved for
+    the loaded pair on this machine, and the table says what that was; `dflash:auto` and
+    `dflash:N` size the chain."""
+    out = tmp_path / "d.json"
+    args = bench_args(pair, out) + ["--methods", "mlx-lm,default,dflash,dflash:2,dflash:auto"]
+    r = CliRunner().invoke(app, [*args, "--data-dir", str(data_dir), "--dataset", "gsm8k"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(out.read_text())
+    assert res["default"]["ran"] == "ddtree --budget auto, lookup 10"
+    assert res["default"]["note"] is None
+    assert "default = ddtree --budget auto, lookup 10" in r.output
+    assert res["identical"]["identical"]
+    m = {x.label: x for x in parse_methods("default,dflash,dflash:2,dflash:auto,ddtree")}
+    assert m["dflash"].budget is None and m["dflash:2"].budget == 2
+    assert m["dflash:auto"].budget == "auto" and m["ddtree"].budget == 16
+    assert m["default"].corpus is None and m["dflash"].corpus == ""

@@ -36,7 +36,7 @@ METHODS = {
     "mlx-lm": ("mlx-lm", False, 0, False),
     "default": ("default", False, None, False),
     "ar": ("ar", False, 0, False),
-    "dflash": ("dflash", False, 0, False),
+    "dflash": ("dflash", True, 0, False),
     "ddtree": ("ddtree", True, 0, False),
     "ddtree+lookup": ("ddtree", True, DEFAULT_LOOKUP, False),
     "lookup": ("lookup", True, DEFAULT_LOOKUP, False),
@@ -86,7 +86,8 @@ def parse_methods(
                 )
             load_corpus(corpus)
             source = corpus
-        budget = parse_budget(arg or "16") if budgeted else None
+        # (ddtree and lookup alone: 16 nodes; dflash alone: the drafter's whole block)
+        budget = parse_budget(arg) if arg else None if name == "dflash" or not budgeted else 16
         out.append(Method(item, mode, budget, look, source))
     if not out:
         raise DFlashError("--methods names no method.")

@@ -22,8 +22,10 @@ def bench_command(
     methods: str = typer.Option(
         DEFAULT_METHODS,
         "--methods",
-        help="Comma list: mlx-lm, ar, dflash, ddtree:BUDGET|auto, lookup[:auto], "
-        "ddtree+lookup[:auto]; lookup+corpus / ddtree+lookup+corpus with --lookup-corpus.",
+        help="Comma list: mlx-lm, default (what generate runs untold), ar, dflash[:N|auto], "
+        "ddtree:BUDGET|auto, lookup[:auto], ddtree+lookup[:auto]; lookup+corpus / "
+        "ddtree+lookup+corpus with --lookup-corpus. A coding agent's sessions against serve "
+        "and mlx_lm.server: scripts/agent_session.py.",
     ),
     dataset: list[str] = typer.Option(
         ["gsm8k"],
