@@ -23,11 +23,11 @@ def profile_key(target) -> str:
     """The name of what is measured once per model and machine (verify profile, row padding):
     the model's config, the CPU architecture, GPU or CPU, how many machines share it, and
     whether numpy computes the exponentials (kernels/cpu_math.py: it changes every cost)."""
-    import mlx.core as mx
 
+    from .engine.device import device_class
     from .kernels import cpu_math
 
-    device = "gpu" if mx.metal.is_available() else "cpu"
+    device = {"metal": "gpu", "gpu": "cuda"}.get(device_class(), "cpu")
     ident = json.dumps(target.config, sort_keys=True, default=str)
     h = hashlib.sha1(ident.encode()).hexdigest()[:12]
     size = target.world.size

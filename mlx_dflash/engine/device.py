@@ -1,4 +1,15 @@
-"""Metal hygiene, as mlx-lm does it: generation runs with the weights wired and on a stream of
+"""The device class every speed trick names, and Metal hygiene.
+
+`device_class()` is the one place that tells the three regimes apart (docs/kernels.md):
+- "metal": an Apple GPU, what users run. Custom Metal kernels (tree attention, Gated DeltaNet,
+  the small-M quantized matmul) and `wired` / `compute` below.
+- "gpu": another GPU through MLX's CUDA backend. Neither Metal kernels nor CPU tricks: stock MLX.
+- "cpu": MLX's CPU backend (this project's Linux bench). CPU tricks only: numpy exponentials
+  (kernels/cpu_math.py), the BLAS row padding (models/rows.py), host-side top-k and lattice
+  sums (engine/tree.py, engine/lattice.py), the CPU attention path (kernels/cpu_attention.py).
+A CPU trick asks `device_class() == "cpu"`, never "not Metal", so it never runs on a GPU.
+
+Metal hygiene, as mlx-lm does it: generation runs with the weights wired and on a stream of
 its own. Both are Apple-GPU matters; on any other device both are no-ops.
 
 - `wired(model)`: mlx-lm's `wired_limit`, which raises the wired-memory limit to fit the model
@@ -18,8 +29,23 @@ from collections.abc import Iterator
 import mlx.core as mx
 
 
+def device_class() -> str:
+    """ "metal", "gpu" (MLX's CUDA backend) or "cpu": where this process's arrays compute."""
+    if mx.default_device() == mx.cpu:
+        return "cpu"
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    return "gpu" if cuda is not None and cuda.is_available() else "cpu"
+
+
 def on_metal() -> bool:
-    return mx.metal.is_available()
+    return device_class() == "metal"
+
+
+def on_cpu() -> bool:
+    """Whether CPU tricks apply (numpy math, BLAS row padding, host-side reductions)."""
+    return device_class() == "cpu"
 
 
 _wired_depth = 0  # nested `wired` blocks: only the outermost sets and restores the limit

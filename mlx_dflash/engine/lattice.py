@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from .device import on_cpu
 from .tree import Tree
 
 
@@ -46,10 +47,10 @@ class Lattice:
     def off_candidates(self, temperature: float = 1.0, on_host: bool | None = None) -> np.ndarray:
         """(n,) per position, the log of exp(logit / T) summed over the tokens that are not its
         candidates (-inf where the candidates hold it all). `on_host` (default: without Metal)
-        sums in numpy, whose exp is ~13x MLX's on a CPU (tree.top_candidates)."""
+        sums in numpy (on the CPU backend), whose exp is ~13x MLX's on a CPU (tree.top_candidates)."""
         assert self.logits is not None
         if on_host is None:
-            on_host = not mx.metal.is_available()
+            on_host = on_cpu()
         if on_host:
             z = np.array(self.logits.astype(mx.float32)) / np.float32(temperature)
             top = z.max(axis=-1, keepdims=True)

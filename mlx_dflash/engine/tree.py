@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from .device import on_cpu
 from .sampling import draw, token_probs
 
 
@@ -94,12 +95,12 @@ def top_candidates(
     """Per depth, the k most likely tokens and their log-probabilities, best first.
 
     Only the k winners and each row's log-normaliser are needed, never the full log-softmax.
-    `on_host` (default: when MLX has no Metal device) computes them in numpy: MLX's CPU backend
+    `on_host` (default: on the CPU backend, engine/device.py) computes them in numpy: MLX's CPU backend
     evaluates exp about 13x slower than numpy, and this runs every round over the whole
     vocabulary (15 x 49K rows: 16 ms in MLX, 1.2 ms in numpy on a 2-core x86).
     """
     if on_host is None:
-        on_host = not mx.metal.is_available()
+        on_host = on_cpu()
     k = min(k, logits.shape[-1])
     if on_host:
         return _top_on_host(np.array(logits.astype(mx.float32)), k)

@@ -27,6 +27,7 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..engine.device import on_cpu
 from ..paths import cache_root, profile_key
 from ..progress import progress
 
@@ -94,7 +95,7 @@ class RowPadding:
         DFLASH_MLX_ROW_PADDING says: "0" none, a number k up to multiples of k, unset (or
         "auto") the measured table, cached, else measured (seconds, once per model and
         machine)."""
-        if mx.metal.is_available() or target.stage is not None or not blas_weights(target):
+        if not on_cpu() or target.stage is not None or not blas_weights(target):
             return None
         setting = os.environ.get("DFLASH_MLX_ROW_PADDING", "auto")
         if setting == "0":
