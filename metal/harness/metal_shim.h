@@ -9,9 +9,13 @@
 //     simdgroup_barrier, simd_sum / product / max / min / shuffle / shuffle_xor /
 //     shuffle_up / shuffle_down / broadcast / broadcast_first / prefix sums / all / any,
 //     as_type, select, and the common metal:: (plus metal::fast::, metal::precise::) math.
+//   * modelled too: 8x8 simdgroup matrices (simdgroup_load / store with a row stride, an
+//     origin and transposition, simdgroup_multiply_accumulate, make_filled_simdgroup_matrix,
+//     thread_elements), each lane holding the two elements Apple GPUs give it; a load, store
+//     or multiply is a collective of the simdgroup, as on the GPU.
 //   * refused (compile error): double, the `thread` address-space keyword, atomics,
-//     simdgroup_matrix, quad_* functions, vector swizzles, vector comparisons, simd_* on
-//     vectors or bfloat, printf and the C++ library, MLX utils.h helpers such as Limits<>,
+//     simdgroup matrices of other shapes, quad_* functions, vector swizzles, vector
+//     comparisons, simd_* on vectors or bfloat, printf and the C++ library, MLX utils.h helpers such as Limits<>,
 //     and unknown [[attributes]] (compiled with -Werror=attributes).
 //   * not detected: address-space mismatches (device/constant/threadgroup are erased, so
 //     passing a constant pointer where a device pointer is expected compiles here),
@@ -40,6 +44,7 @@
 typedef unsigned int uint;
 typedef unsigned short ushort;
 typedef unsigned char uchar;
+typedef uint64_t ulong;
 typedef _Float16 half;
 
 namespace mshim {
@@ -185,6 +190,7 @@ MSHIM_VEC_TYPES(int, int)
 MSHIM_VEC_TYPES(uint, uint)
 MSHIM_VEC_TYPES(short, short)
 MSHIM_VEC_TYPES(ushort, ushort)
+MSHIM_VEC_TYPES(ulong, ulong)
 #undef MSHIM_VEC_TYPES
 
 // ---------------------------------------------------------------------------------------
@@ -501,6 +507,130 @@ inline bool simd_any(bool x, MSHIM_SIMD_ARGS) {
   for (unsigned i = 0; i < s.width; ++i)
     if (s.v[i]) return true;
   return false;
+}
+
+// ---------------------------------------------------------------------------------------
+// 8x8 simdgroup matrices. A matrix is spread over the 32 lanes of a simdgroup, two elements
+// each: lane l holds row (q & 4) + (l / 2) % 4, columns c and c + 1 with c = (q & 2) * 2 +
+// (l % 2) * 2, q = l / 4 (the layout MLX's steel kernels read through thread_elements()).
+// Loads, stores and multiplies are collectives: every lane must reach the same call.
+template <typename T, int COLS, int ROWS>
+struct simdgroup_matrix {
+  static_assert(COLS == 8 && ROWS == 8, "metal_shim.h models 8x8 simdgroup matrices only");
+  static_assert(__is_same(T, float) || __is_same(T, half) || __is_same(T, bfloat),
+                "simdgroup matrices hold float, half or bfloat");
+  mshim::vec<T, 2> e;
+  simdgroup_matrix() = default;
+  // Metal: a diagonal matrix with `value` on the diagonal.
+  explicit simdgroup_matrix(T value, unsigned line = __builtin_LINE(),
+                            unsigned column = MSHIM_COLUMN);
+  mshim::vec<T, 2>& thread_elements() { return e; }
+  const mshim::vec<T, 2>& thread_elements() const { return e; }
+};
+
+typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
+typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
+typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
+
+namespace mshim_matrix {
+// The calling lane's place in the simdgroup, through a rendezvous of all its lanes.
+inline unsigned lane(int kind, unsigned line, unsigned column) {
+  unsigned char all[MSHIM_SIMD_WIDTH * MSHIM_SLOT_BYTES];
+  unsigned char none = 0;
+  unsigned lane_id, width;
+  mshim_simd_exchange(kind, line, column, &none, 1, all, &lane_id, &width);
+  if (width != MSHIM_SIMD_WIDTH) mshim_fail("simdgroup matrices need a full simdgroup of 32");
+  return lane_id;
+}
+inline unsigned row(unsigned l) { return ((l / 4) & 4u) + (l / 2) % 4; }
+inline unsigned col(unsigned l) { return ((l / 4) & 2u) * 2 + (l % 2) * 2; }
+
+// Every lane's two elements of `m`, gathered: full[r][c].
+template <typename T>
+inline void gather(const mshim::vec<T, 2>& mine, float full[8][8], unsigned line,
+                   unsigned column) {
+  float pair[2] = {float(mine[0]), float(mine[1])};
+  unsigned char all[MSHIM_SIMD_WIDTH * MSHIM_SLOT_BYTES];
+  unsigned lane_id, width;
+  mshim_simd_exchange(MSHIM_OP_SIMDGROUP_MULTIPLY_ACCUMULATE, line, column, pair, sizeof pair,
+                      all, &lane_id, &width);
+  for (unsigned l = 0; l < width; ++l) {
+    float v[2];
+    __builtin_memcpy(v, all + l * MSHIM_SLOT_BYTES, sizeof v);
+    full[row(l)][col(l)] = v[0];
+    full[row(l)][col(l) + 1] = v[1];
+  }
+}
+}  // namespace mshim_matrix
+
+template <typename T, int C, int R>
+simdgroup_matrix<T, C, R>::simdgroup_matrix(T value, unsigned line, unsigned column) {
+  const unsigned l = mshim_matrix::lane(MSHIM_OP_SIMDGROUP_LOAD, line, column);
+  const unsigned r = mshim_matrix::row(l), c = mshim_matrix::col(l);
+  e[0] = r == c ? value : T(0);
+  e[1] = r == c + 1 ? value : T(0);
+}
+
+template <typename T, int C, int R>
+inline simdgroup_matrix<T, C, R> make_filled_simdgroup_matrix(T value) {
+  simdgroup_matrix<T, C, R> m;
+  m.e = mshim::vec<T, 2>(value);
+  return m;
+}
+
+// m[i][j] = src[(origin.y + i) * elements_per_row + origin.x + j], or with `transpose`
+// src[(origin.y + j) * elements_per_row + origin.x + i] (origin is (column, row), as in Metal).
+template <typename T, typename S, int C, int R>
+inline void simdgroup_load(simdgroup_matrix<T, C, R>& m, const S* src, ulong elements_per_row = 8,
+                           ulong2 origin = ulong2(0, 0), bool transpose = false,
+                           unsigned line = __builtin_LINE(), unsigned column = MSHIM_COLUMN) {
+  static_assert(__is_same(T, S), "simdgroup_load: the matrix and the memory hold one type");
+  const unsigned l = mshim_matrix::lane(MSHIM_OP_SIMDGROUP_LOAD, line, column);
+  const unsigned r = mshim_matrix::row(l), c = mshim_matrix::col(l);
+  for (unsigned k = 0; k < 2; ++k) {
+    const ulong i = r, j = c + k;
+    const ulong at = transpose ? (origin.y + j) * elements_per_row + origin.x + i
+                               : (origin.y + i) * elements_per_row + origin.x + j;
+    m.e[k] = src[at];
+  }
+}
+
+template <typename T, typename S, int C, int R>
+inline void simdgroup_store(const simdgroup_matrix<T, C, R>& m, S* dst,
+                            ulong elements_per_row = 8, ulong2 origin = ulong2(0, 0),
+                            bool transpose = false, unsigned line = __builtin_LINE(),
+                            unsigned column = MSHIM_COLUMN) {
+  static_assert(__is_same(T, S), "simdgroup_store: the matrix and the memory hold one type");
+  const unsigned l = mshim_matrix::lane(MSHIM_OP_SIMDGROUP_STORE, line, column);
+  const unsigned r = mshim_matrix::row(l), c = mshim_matrix::col(l);
+  for (unsigned k = 0; k < 2; ++k) {
+    const ulong i = r, j = c + k;
+    const ulong at = transpose ? (origin.y + j) * elements_per_row + origin.x + i
+                               : (origin.y + i) * elements_per_row + origin.x + j;
+    dst[at] = m.e[k];
+  }
+}
+
+// d = a * b + c. Each output is a float sum of its eight products in k order, rounded once
+// to d's type (the GPU's order within the eight is not documented: tests allow for it).
+template <typename T, int C, int R>
+inline void simdgroup_multiply_accumulate(simdgroup_matrix<T, C, R>& d,
+                                          const simdgroup_matrix<T, C, R>& a,
+                                          const simdgroup_matrix<T, C, R>& b,
+                                          const simdgroup_matrix<T, C, R>& c,
+                                          unsigned line = __builtin_LINE(),
+                                          unsigned column = MSHIM_COLUMN) {
+  float fa[8][8], fb[8][8], fc[8][8];
+  mshim_matrix::gather(a.e, fa, line, column);
+  mshim_matrix::gather(b.e, fb, line, column);
+  mshim_matrix::gather(c.e, fc, line, column);
+  const unsigned l = mshim_matrix::lane(MSHIM_OP_SIMDGROUP_MULTIPLY_ACCUMULATE, line, column);
+  const unsigned r = mshim_matrix::row(l), col0 = mshim_matrix::col(l);
+  for (unsigned k = 0; k < 2; ++k) {
+    float acc = fc[r][col0 + k];
+    for (unsigned i = 0; i < 8; ++i) acc = __builtin_fmaf(fa[r][i], fb[i][col0 + k], acc);
+    d.e[k] = T(acc);
+  }
 }
 
 #undef MSHIM_SIMD_ARGS

@@ -6,7 +6,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define MSHIM_ABI_VERSION 3
+#define MSHIM_ABI_VERSION 4
 
 struct mshim_uint3 {
   unsigned x, y, z;
@@ -55,6 +55,9 @@ enum mshim_op_kind {
   MSHIM_OP_SIMD_PREFIX_EXCLUSIVE_SUM,
   MSHIM_OP_SIMD_ALL,
   MSHIM_OP_SIMD_ANY,
+  MSHIM_OP_SIMDGROUP_LOAD,
+  MSHIM_OP_SIMDGROUP_STORE,
+  MSHIM_OP_SIMDGROUP_MULTIPLY_ACCUMULATE,
 };
 
 #define MSHIM_SIMD_WIDTH 32

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 HARNESS_DIR = Path(__file__).resolve().parent
-ABI_VERSION = 3
+ABI_VERSION = 4
 # Inputs with fewer elements go to the constant address space (MLX: max_constant_array_size).
 MAX_CONSTANT_ARRAY_SIZE = 8
 MAX_THREADS_PER_THREADGROUP = 1024

@@ -277,6 +277,9 @@ const char* kind_name(int kind) {
     case MSHIM_OP_SIMD_PREFIX_EXCLUSIVE_SUM: return "simd_prefix_exclusive_sum";
     case MSHIM_OP_SIMD_ALL: return "simd_all";
     case MSHIM_OP_SIMD_ANY: return "simd_any";
+    case MSHIM_OP_SIMDGROUP_LOAD: return "simdgroup_load";
+    case MSHIM_OP_SIMDGROUP_STORE: return "simdgroup_store";
+    case MSHIM_OP_SIMDGROUP_MULTIPLY_ACCUMULATE: return "simdgroup_multiply_accumulate";
     default: return "collective";
   }
 }

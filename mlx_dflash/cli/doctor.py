@@ -38,6 +38,7 @@ def report() -> dict[str, str]:
     import mlx.core as mx
 
     from .. import _blas
+    from ..engine.device import device_class
     from ..kernels import cpu_math
     from ..kernels.gated_delta import gdn_backend
     from ..kernels.tree_attention import attention_backend
@@ -55,11 +56,19 @@ def report() -> dict[str, str]:
         "mlx": _version("mlx"),
         "mlx-lm": _version("mlx-lm"),
         "device": f"{mx.default_device()} ({'Metal GPU' if metal else 'CPU only, no Metal'})",
+        "device class": {
+            "metal": "metal: Metal kernels, measured choices",
+            "gpu": "gpu (MLX's CUDA backend): stock MLX, no Metal kernels, no CPU tricks",
+            "cpu": "cpu: CPU tricks (numpy exponentials, BLAS row padding), no kernels",
+        }[device_class()],
         "blas": blas,
         "float32 matmul": f"{matmul_gflops():.1f} GFLOP/s (1024x1024)",
         "tree attention": attention_backend(),
         "gated deltanet": gdn_backend(),
         "exponentials": cpu_math.describe(),
+        "quantized verify": "small-M kernel where this Mac's calibration chose it (per model)"
+        if metal
+        else "stock mx.quantized_matmul (the small-M verify kernel is Metal-only)",
     }
 
 
@@ -95,6 +104,28 @@ def pair_report(model: str | None, drafter: str | None) -> dict[str, str]:
     return out
 
 
+def verify_kernel_report(model: str | None) -> dict[str, str]:
+    """On Metal, a quantized target's calibration (models/quantized.py): per row count, the
+    whole model's stock and kernel cost in one-row steps and the layers on the kernel."""
+    from ..engine.device import on_metal
+
+    if model is None or not on_metal():
+        return {}
+    from ..checkpoints.resolve import resolve_model
+    from ..models.target import load_target
+
+    target = load_target(resolve_model(model, "target"))  # (calibrates once, then cached)
+    cal = target.verify_kernel
+    if cal is None:
+        return {"verify kernel": "none: no quantized linear layer the kernel takes"}
+    if not cal.agreed:
+        return {"verify kernel": f"not used: it disagreed with stock MLX here ({cal.reason})"}
+    lines = [f"M={r['rows']:>2}: stock {r['stock_steps']:.2f} / kernel {r['kernel_steps']:.2f} "
+             f"steps, kernel on {r['kernel_layers']} of {r['shapes']} shapes"
+             for r in cal.rows()]  # fmt: skip
+    return {"verify kernel": "\n".join(lines)}
+
+
 def pairs_summary() -> dict[str, str]:
     """One line on the published pairs: how many this build runs (computed by the loaders)."""
     from ..checkpoints.registry import support_rows
@@ -109,6 +140,7 @@ def doctor_command(model: str = opts.MODEL, drafter: str = opts.DRAFTER) -> None
     the model pair that would run (which drafter kind: DFlash or DFlash 2), and how many
     published pairs this build runs."""
     table = Table(show_header=False, box=None)
-    for k, v in {**report(), **pair_report(model, drafter), **pairs_summary()}.items():
+    rows = {**report(), **pair_report(model, drafter), **verify_kernel_report(model)}
+    for k, v in {**rows, **pairs_summary()}.items():
         table.add_row(f"[bold]{k}[/bold]", v)
     Console().print(table)

@@ -115,9 +115,12 @@ MIN_IDEAL_SPEEDUP = 2.0
 
 def profile_name(target) -> str:
     """The cache name of the target's verify profile: per model and machine (paths.profile_key),
-    and apart for a forward padded to BLAS's cheaper row counts (models/rows.py)."""
+    apart for a forward padded to BLAS's cheaper row counts (models/rows.py), and apart for
+    each choice of verify kernel paths (models/quantized.py)."""
     padded = "-padded" if getattr(target, "padding", None) is not None else ""
-    return profile_key(target) + padded
+    # On Metal, the verify paths its calibration chose for a quantized target (its key).
+    kernel = getattr(target, "verify_kernel", None)
+    return profile_key(target) + padded + (kernel.key if kernel is not None else "")
 
 
 def verify_steps(target) -> float:

@@ -232,6 +232,10 @@ class Target:
         # The row count each forward's dense layers run at (models/rows.py); load_target
         # measures it on the CPU backend, None runs every forward at its own size.
         self.padding: RowPadding | None = None
+        # On Metal, a quantized target's verify path per layer shape and row count
+        # (models/quantized.py); a tied quantized head's stand-in takes the same choice.
+        self.verify_kernel: Any = None
+        self.tied_head: Any = None
         self._draft_heads: dict[bytes, tuple[mx.array, mx.array]] = {}  # draft_head_rows'
         self.set_taps(tap_ids)
 
@@ -309,6 +313,8 @@ class Target:
     def lm_head(self, h: mx.array) -> mx.array:
         head = self._untied_head()
         if head is None:
+            if self.tied_head is not None:
+                return self.tied_head(h)
             return self.inner.embed_tokens.as_linear(h)
         group = self.vocab_sharding
         if group is not None:
@@ -508,7 +514,18 @@ def load_target(path: str | Path, lazy: bool = False) -> Target:
     target = Target(model, tokenizer, config)
     if not lazy:  # a lazy load is sharded next (distributed.py): no padding there
         target.padding = RowPadding.for_target(target)
+        verify_kernel(target)
     return target
+
+
+def verify_kernel(target: Target) -> None:
+    """On Metal, a quantized target's linear layers take the small-M verify kernel where this
+    machine's calibration chose it (models/quantized.py; measured once, then cached)."""
+    from ..engine.device import on_metal
+    from .quantized import install, load_or_calibrate, quantized_layers
+
+    if on_metal() and quantized_layers(target.model):
+        install(target, load_or_calibrate(target))
 
 
 def text_eos(config: dict):
