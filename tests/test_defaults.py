@@ -145,6 +145,10 @@ def test_a_quantized_target_on_a_slow_verify_decodes_plainly(tmp_path, run_cli):
     assert "plain decoding (--mode ar)" in err and "costs 7.0 plain steps" in err
     code, out, err = run_cli("generate", "-m", q4, "-p", "Hi", "-n", "4", "--mode", "lookup")
     assert code == 0 and "--dequantize" in err and "plain decoding (--mode ar)" not in err
+    assert "--budget auto decodes plainly" in err and "costs 7.0 plain steps" in err
+    code, out, err = run_cli("generate", "-m", q4, "-p", "Hi", "-n", "4", "--mode", "lookup",
+                             "--budget", "4")  # fmt: skip
+    assert code == 0 and "--dequantize" in err and "decodes plainly" not in err
 
 
 def test_describe_names_the_corpus():
@@ -175,3 +179,25 @@ def test_dflash_chains_are_exact_at_any_size(budget):
         assert max(drafted) == 3
     else:
         assert 1 <= max(drafted) <= drafter.block_size - 1
+
+
+@pytest.mark.parametrize("mode", ["ddtree", "dflash", "lookup"])
+def test_auto_decodes_plainly_where_no_draft_can_pay(mode):
+    """--budget auto prices the measured verify: where 8 tokens cost 7 steps (4-bit weights on
+    this CPU) no round drafts or verifies more than one token, and the output is the target's
+    own; a fixed budget still speculates on the same machine."""
+    target, drafter = load_pair(None, None)
+    ids = target.tokenizer.encode(STORY + ", there was a little dog")
+    ref = greedy(target, ids, 32)
+
+    def run(**kw):
+        cfg = GenerationConfig(max_tokens=32, mode=mode, **kw)
+        rounds = list(generate_rounds(Session(target, drafter), ids, cfg))
+        assert [t for r in rounds for t in r.tokens] == ref
+        return max(r.drafted for r in rounds)
+
+    fake_timings(target, 7.0)
+    assert run(budget="auto") == 0
+    assert run(budget=8) > 0
+    fake_timings(target, 1.3)  # float32 through BLAS: auto speculates
+    assert run(budget="auto") > 0

@@ -164,7 +164,7 @@ def load_settled(flags: Flags, model, drafter, world):
     if world.is_main:
         if note:
             typer.echo(f"note: {note}", err=True)
-        print_slow_verify_note(target, model, cfg.mode)
+        print_slow_verify_note(target, model, cfg)
     return target, runner, cfg
 
 
@@ -181,28 +181,40 @@ def default_corpus(cfg: GenerationConfig, runner) -> GenerationConfig:
     return dataclasses.replace(cfg, lookup_corpus=path)
 
 
-def slow_verify_note(target, model: str | None, mode: str) -> str | None:
+def slow_verify_note(target, model: str | None, mode: str, budget=None) -> str | None:
     """One line for a quantized or half-precision target on the CPU in a speculative mode:
     there MLX's own matmul kernels cost about linearly in the rows a forward carries (4-bit
     SmolLM2's dense layers: 30 ms at 1 row, 552 at 16), so every verify loses to plain steps;
-    float32 weights go to BLAS, where 16 rows cost ~1.3 of one. None where it does not apply."""
-    from ..engine.device import on_metal
+    float32 weights go to BLAS, where 16 rows cost ~1.3 of one. Under --budget auto it says
+    that the engine decodes plainly (engine/loop.py). None where it does not apply."""
+    from ..engine.budget import PROBE_TOKENS, speculation_pays, verify_steps
+    from ..engine.device import on_cpu
     from ..models.rows import blas_weights
 
-    if not speculates(mode) or on_metal() or target.stage is not None:
+    if not speculates(mode) or not on_cpu() or target.stage is not None:
         return None
     if blas_weights(target):
         return None
     name = model or "the target"
+    fix = (
+        f"A float32 copy speculates fast: dflash-mlx convert {name} --out {name}-f32 "
+        "--dequantize --dtype float32"
+    )
+    if str(budget) == "auto" and not speculation_pays(target):
+        return (
+            f"note: --budget auto decodes plainly: {name} is quantized or half precision, and "
+            f"on this CPU a verify of {PROBE_TOKENS} tokens costs {verify_steps(target):.1f} "
+            f"plain steps (measured), so no draft can pay (a fixed --budget speculates anyway). "
+            + fix
+        )
     return (
         f"note: {name} is quantized or half precision, which on the CPU makes every verify "
         "cost about as many plain steps as it has tokens: speculative modes run slower than "
-        f"--mode ar here. A float32 copy runs them fast: dflash-mlx convert {name} --out "
-        f"{name}-f32 --dequantize --dtype float32"
+        f"--mode ar here. " + fix
     )
 
 
-def print_slow_verify_note(target, model: str | None, mode: str) -> None:
-    note = slow_verify_note(target, model, mode)
+def print_slow_verify_note(target, model: str | None, cfg: GenerationConfig) -> None:
+    note = slow_verify_note(target, model, cfg.mode, cfg.budget)
     if note is not None:
         typer.echo(note, err=True)

@@ -38,7 +38,7 @@ def default_mode(target, drafter, name: str | None = None) -> Choice:
             "ar",
             f"plain decoding (--mode ar): on this machine a verify of {PROBE_TOKENS} tokens of "
             f"{name} costs {steps:.1f} plain steps (measured), so no draft can pay; "
-            "--mode ddtree speculates anyway.",
+            "--mode ddtree --budget 16 speculates anyway.",
         )
     if drafter is None:
         return Choice(

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import DFlashError
-from .budget import budget_policy
+from .budget import budget_policy, speculation_pays
 from .ddtree import DDTree
 from .device import compute, wired
 from .grammar import Grammar, compile_grammar
@@ -36,8 +36,12 @@ def round_function(
     something must see its drafts on the host first: `--budget auto`, which sizes each chain
     from the drafter's confidence and the measured verify cost, or a grammar (the best
     allowed draft at each depth, with its certain runs). Then it is a tree round with one
-    child per node, so every speculative mode shares one sizing and one constrained walk."""
+    child per node, so every speculative mode shares one sizing and one constrained walk.
+    Where no draft can pay on this machine (budget.speculation_pays: a quantized target on
+    the CPU), `--budget auto` decodes plainly."""
     kind, sampling = cfg.round_kind, cfg.sampling
+    if kind != "plain" and cfg.budget == "auto" and not speculation_pays(session.target):
+        kind = "plain"
     if kind == "tree":
         return DDTree(session, cfg, budget_policy(session.target, cfg.budget or "auto"), grammar)
     if kind == "block" and (grammar is not None or cfg.budget == "auto"):
