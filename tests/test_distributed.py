@@ -6,8 +6,10 @@ others with one sentence."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -240,6 +242,84 @@ def test_serve_runs_sharded(tmp_path, run_cli):
             os.killpg(proc.pid, signal.SIGKILL)
             log, _ = proc.communicate()
     # (mlx.launch itself prints a KeyboardInterrupt traceback on Ctrl-C; none may be ours.)
+    assert "mlx_dflash" not in log, log
+
+
+def test_a_job_reaches_the_follower_ranks_whole():
+    """What rank 0 sends a follower is the whole job: every setting a request makes (grammar and
+    logprobs included: they change which forwards a round makes) and every field beside them."""
+    from mlx_dflash.engine import GenerationConfig, SamplingParams
+    from mlx_dflash.engine.grammar import GrammarSpec
+    from mlx_dflash.server.tools import Tools
+    from mlx_dflash.server.worker import REQUEST_SETTINGS, Job, job_from_json, job_to_json
+
+    base = GenerationConfig(mode="lookup", max_tokens=64)
+    request = {"max_tokens": 9, "sampling": SamplingParams(0.7, 0.9, 20), "seed": 5,
+               "logprobs": 3, "grammar": GrammarSpec.json_schema({"type": "object"})}  # fmt: skip
+    assert set(request) == set(REQUEST_SETTINGS)
+    tools = Tools([{"type": "function", "function": {"name": "f"}}], "function", "f", False)
+    job = Job([1, 2, 3], dataclasses.replace(base, **request), ["END"], True, ("<a>", "</a>"),
+              tools, '{"x": ')  # fmt: skip
+    copy = job_from_json(base, job_to_json(job))
+    assert copy.cfg == job.cfg
+    fields = ("prompt", "stop", "thinking", "tags", "tools", "inside")
+    assert [getattr(copy, f) for f in fields] == [getattr(job, f) for f in fields]
+
+
+@pytest.mark.parametrize("mode", ["dflash", "lookup"])
+def test_serve_sharded_answers_a_format_with_logprobs(tmp_path, run_cli, mode):
+    """response_format and logprobs under a speculative mode on two ranks: the follower runs
+    the same constrained rounds as rank 0 (it once ran free text, whose forwards differ), and
+    the answer is one process's."""
+    import socket
+    import time
+    import urllib.request
+
+    openai = pytest.importorskip("openai")
+    from published import write_published_drafter
+
+    folder = write_published(tmp_path / "qwen3", "Qwen/Qwen3-8B", "hf")
+    pair = ["-m", str(folder), "--mode", mode]
+    if mode == "dflash":
+        pair += ["-d", str(write_published_drafter(tmp_path / "drafter", "Qwen/Qwen3-8B"))]
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    code, out, err = run_cli("generate", *pair, "-p", "Hello", "-n", "16", "--json-schema",
+                             str(tmp_path / "schema.json"), "--json")  # fmt: skip
+    assert code == 0, err
+    want = json.loads(out)["text"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = str(Path(sys.executable).parent / "dflash-mlx")
+    cmd = [str(LAUNCH), "--backend", "ring", "-n", "2", "--", exe, "serve", *pair]
+    proc = subprocess.Popen([*cmd, "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                               max_retries=0, timeout=60)  # fmt: skip
+        fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+        r = client.chat.completions.create(
+            model="qwen3", messages=[{"role": "user", "content": "Hello"}], max_tokens=16,
+            response_format=fmt, logprobs=True, top_logprobs=2,
+        )  # fmt: skip
+        assert r.choices[0].message.content == want
+        assert len(r.choices[0].logprobs.content) == r.usage.completion_tokens
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            log, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            log, _ = proc.communicate()
     assert "mlx_dflash" not in log, log
 
 

@@ -22,6 +22,7 @@ from ..engine import GenerationConfig, SamplingParams, Stats, stream_generate
 from ..engine.batch import BatchedTarget, Batcher
 from ..engine.corpus import AnswerCorpus
 from ..engine.device import wired
+from ..engine.grammar import GrammarSpec
 from ..engine.session import uses_drafter
 from ..errors import DFlashError
 from .sessions import SessionPool
@@ -96,15 +97,7 @@ class Worker:
                 spec = self.world.send_text(None)
             if spec is None:
                 return
-            d = json.loads(spec)
-            sampling = SamplingParams(d["temperature"], d["top_p"], d["top_k"])
-            cfg = job_config(base, max_tokens=d["max_tokens"], sampling=sampling, seed=d["seed"])
-            tools = None
-            if d["tools"] is not None:
-                t = d["tools"]
-                tools = Tools(t["specs"], t["choice"], t["name"], t["parallel"])
-            job = Job(d["prompt"], cfg, d["stop"], d["thinking"], tuple(d["tags"]), tools,
-                      d["inside"])  # fmt: skip
+            job = job_from_json(base, spec)
             try:
                 self._run(job)
             except Exception:  # rank 0 reports errors; a follower just moves on
@@ -115,21 +108,7 @@ class Worker:
         if job is None:
             self.world.send_text(None)
             return
-        s = job.cfg.sampling
-        spec = {
-            "prompt": job.prompt,
-            "max_tokens": job.cfg.max_tokens,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "top_k": s.top_k,
-            "seed": job.cfg.seed,
-            "stop": job.stop,
-            "thinking": job.thinking,
-            "tags": list(job.tags),
-            "tools": None if job.tools is None else vars(job.tools),
-            "inside": job.inside,
-        }
-        self.world.send_text(json.dumps(spec))
+        self.world.send_text(job_to_json(job))
 
     def submit(self, job: Job) -> Job:
         self.jobs.put(job)
@@ -336,6 +315,34 @@ class Output:
                 self.job.events.put(("text", None, content))
             if unfinished:  # the answer ended inside a call (length, or no end marker)
                 self._call(unfinished, closed=False)
+
+
+# What a request sets in the server's GenerationConfig (http.py), and what a Job carries beside
+# it: all of it reaches the follower ranks of a sharded target, which must run the same rounds
+# (a grammar, or logprobs, changes which forwards a round makes).
+REQUEST_SETTINGS = ("max_tokens", "sampling", "seed", "logprobs", "grammar")
+JOB_FIELDS = ("prompt", "stop", "thinking", "tags", "tools", "inside")
+
+
+def job_to_json(job: Job) -> str:
+    """A job as rank 0 sends it to the followers: its fields and the request's settings."""
+    cfg = {k: getattr(job.cfg, k) for k in REQUEST_SETTINGS}
+    for k in ("sampling", "grammar"):
+        cfg[k] = None if cfg[k] is None else dataclasses.asdict(cfg[k])
+    fields = {k: getattr(job, k) for k in JOB_FIELDS}
+    fields["tools"] = None if job.tools is None else dataclasses.asdict(job.tools)
+    return json.dumps({"job": fields, "cfg": cfg})
+
+
+def job_from_json(base: GenerationConfig, text: str) -> Job:
+    """A follower's copy of rank 0's job (job_to_json), on its own server settings `base`."""
+    d = json.loads(text)
+    cfg, fields = d["cfg"], d["job"]
+    cfg["sampling"] = SamplingParams(**cfg["sampling"])
+    cfg["grammar"] = None if cfg["grammar"] is None else GrammarSpec(**cfg["grammar"])
+    fields["tags"] = tuple(fields["tags"])
+    fields["tools"] = None if fields["tools"] is None else Tools(**fields["tools"])
+    return Job(cfg=dataclasses.replace(base, **cfg), **fields)
 
 
 def job_config(base: GenerationConfig, **changes) -> GenerationConfig:
