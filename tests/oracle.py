@@ -38,6 +38,10 @@ class OracleDrafter:
     def add_context(self, taps: mx.array) -> None:
         self.context_len += taps.shape[0]
 
+    def propose_together(self, asks) -> list[Proposal]:
+        """Batched rows: each row's own pass (an oracle has no packed one)."""
+        return [a.drafter.propose(a.last_token, a.start, a.n) for a in asks]
+
     def propose(self, last_token: int, start: int, n: int) -> Proposal:
         assert start == self.context_len, "engine fed the drafter out of sync"
         # Each slot's draws depend only on (seed, round start, position), not on how many

@@ -17,6 +17,7 @@ import pytest
 from harness_util import random_tree
 
 from mlx_dflash.kernels import gated_delta as gk
+from mlx_dflash.kernels import quantized as _quantized  # noqa: F401  (registers its family)
 from mlx_dflash.kernels import self_check as kernel_check
 from mlx_dflash.kernels import tree_attention as ta
 

@@ -111,6 +111,28 @@ def test_commands_do_not_import_each_other_and_the_library_not_the_cli():
             assert not any(u.startswith("mlx_dflash.cli") for u in used), p
 
 
+def test_the_engine_reaches_models_through_its_contract_alone():
+    """engine/ never imports models/ (engine/contract.py is what it asks of them), asks no
+    object for an attribute by name (getattr: a member the contract does not name), and no
+    class anywhere forwards attributes it does not define (__getattr__)."""
+    for p in (PKG / "engine").glob("*.py"):
+        used = imports(p)
+        assert not any(u.startswith("mlx_dflash.models") for u in used), (p.name, used)
+        calls = [
+            n
+            for n in ast.walk(ast.parse(p.read_text()))
+            if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "getattr"
+        ]
+        assert not calls, f"{p.name}:{calls[0].lineno} calls getattr"
+    for p in PKG.rglob("*.py"):
+        defs = [
+            n.lineno
+            for n in ast.walk(ast.parse(p.read_text()))
+            if isinstance(n, ast.FunctionDef) and n.name == "__getattr__"
+        ]
+        assert not defs, f"{p.relative_to(ROOT)}:{defs[0]} forwards attributes (__getattr__)"
+
+
 def test_importing_mlx_first_warns_on_linux():
     """OpenBLAS only takes over when it loads before mlx: a library user who imports mlx
     first is told so, rather than silently getting 10-30x slower float32 matmuls."""

@@ -122,10 +122,22 @@ class SharedIO:
     def stopped(self, local: Callable[[], bool]) -> Callable[[], bool]:
         return lambda: bool(self.world.agree([local()])[0])
 
-    def __getattr__(self, name):  # write, end_answer, info, notice: rank 0 only
+    # What goes out, rank 0 only.
+    def write(self, text: str) -> None:
         if self.world.is_main:
-            return getattr(self.io, name)
-        return lambda *a, **k: None
+            self.io.write(text)
+
+    def end_answer(self, line: str) -> None:
+        if self.world.is_main:
+            self.io.end_answer(line)
+
+    def info(self, text: str) -> None:
+        if self.world.is_main:
+            self.io.info(text)
+
+    def notice(self, text: str) -> None:
+        if self.world.is_main:
+            self.io.notice(text)
 
 
 def run_chat(chat: Conversation, io) -> None:

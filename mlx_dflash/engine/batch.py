@@ -17,17 +17,25 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from greenlet import getcurrent, greenlet
 
-from ..models.packed import Pass
+from .contract import DraftAsk, Pass
+
+
+@dataclass
+class BudgetAsk:
+    """A batched row's auto budget waiting for its share of the round's verify budget."""
+
+    policy: Any  # engine/budget.py AutoBudget
+    tree: Any  # engine/tree.py Tree
 
 
 @dataclass
 class _Slot:
-    p: Any  # a target Pass, a drafter's (runner, (last, start, n)), or (auto budget, tree)
+    p: Any  # a target Pass, a DraftAsk or a BudgetAsk
     row: Any  # the greenlet waiting for it
     result: Any = None
     error: BaseException | None = None
@@ -53,8 +61,7 @@ class Batcher:
         self.allots = 0  # rounds whose trees shared one verify budget (split_budget)
         # The rows' KV caches share one buffer per layer while they run (models/arena.py):
         # a session's caches move in at its first packed forward and out when its row ends.
-        new_arena = getattr(target, "new_arena", None)
-        self.arena = new_arena() if new_arena is not None else None
+        self.arena = target.new_arena()
         self._adopted: dict[Any, list[list]] = {}
         self._tokens_ema = 0.0  # tokens and rows per packed forward, lately
         self._rows_ema = 0.0
@@ -115,7 +122,7 @@ class Batcher:
     def propose(self, runner, last: int, start: int, n: int):
         """Called inside a row by its DrafterRunner: the pass joins the next packed drafter
         pass (models/drafter.py propose_packed); resumes with its Proposal."""
-        return self._wait(self._drafts, (runner, (last, start, n)))
+        return self._wait(self._drafts, DraftAsk(runner, last, start, n))
 
     def allot(self, policy, tree) -> int | None:
         """Called inside a row by its auto budget (engine/budget.py AutoBudget.cut): the
@@ -123,7 +130,7 @@ class Batcher:
         row's tree is built; None outside a tick (the policy then decides alone)."""
         if not self.in_row():
             return None
-        return self._wait(self._allots, (policy, tree))
+        return self._wait(self._allots, BudgetAsk(policy, tree))
 
     def close(self) -> None:
         """End every row still suspended, running its `finally` blocks (the wired-memory
@@ -152,8 +159,8 @@ class Batcher:
 
         self.allots += 1
         try:
-            policies = [s.p[0] for s in batch]
-            gains = [policy.gains(tree) for policy, tree in (s.p for s in batch)]
+            policies = [s.p.policy for s in batch]
+            gains = [s.p.policy.gains(s.p.tree) for s in batch]
             # The passes already waiting: plain steps and blocks emit about a token each.
             base = sum(int(s.p.tokens.shape[0]) for s in self._pending)
             t_fixed = float(np.mean([p.t_fixed for p in policies]))
@@ -165,12 +172,10 @@ class Batcher:
                 slot.error = e
 
     def _run_drafts(self, batch: list[_Slot]) -> None:
-        from ..models.drafter import propose_packed
-
         self.drafts += 1
         self.draft_rows += len(batch)
         try:
-            results = propose_packed([s.p[0] for s in batch], [s.p[1] for s in batch])
+            results = batch[0].p.drafter.propose_together([s.p for s in batch])
             for slot, result in zip(batch, results, strict=True):
                 slot.result = result
         except Exception as e:  # every row of the pass hears of it, in its own round
@@ -231,15 +236,39 @@ class Batcher:
 
 
 class BatchedTarget:
-    """A target whose forward joins the batch; everything else is the target's own."""
+    """A target whose forward joins the batch; every other member of the contract is the
+    target's own (named here, none forwarded by lookup: engine/contract.py lists them)."""
 
     def __init__(self, target, batcher: Batcher) -> None:
         self._target = target
         self._batcher = batcher
+        self.tokenizer, self.config = target.tokenizer, target.config
+        self.model_type, self.vocab_size, self.model = (
+            target.model_type,
+            target.vocab_size,
+            target.model,
+        )
 
     @property
     def batcher(self) -> Batcher:
         return self._batcher
+
+    @property
+    def world(self):
+        return self._target.world
+
+    @property
+    def forward_paths(self) -> str:
+        return self._target.forward_paths
+
+    def make_cache(self) -> list:
+        return self._target.make_cache()
+
+    def new_arena(self):
+        return None  # the batch's own arena is the Batcher's
+
+    def forward_rows(self, passes: list[Pass]):
+        return self._target.forward_rows(passes)
 
     @property
     def runs_alone(self) -> bool:
@@ -253,9 +282,6 @@ class BatchedTarget:
     def forward(self, tokens, cache, start, parents=None, logits="all", taps=True, rewindable=True):
         p = Pass(tokens, cache, start, parents, logits, taps, rewindable)
         return self._batcher.forward(p)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._target, name)
 
 
 def run_rows(target, rows: list[Callable[[Any], None]], join_at: list[int] | None = None):
@@ -282,3 +308,10 @@ def run_rows(target, rows: list[Callable[[Any], None]], join_at: list[int] | Non
     except BaseException:
         batcher.close()
         raise
+
+
+# mypy checks BatchedTarget against the engine's TargetModel protocol (engine/contract.py)
+if TYPE_CHECKING:
+    from .contract import TargetModel
+
+    _conforms_batchedtarget: type[TargetModel] = BatchedTarget

@@ -117,16 +117,13 @@ def profile_name(target) -> str:
     """The cache name of the target's verify profile: per model and machine (paths.profile_key),
     apart for a forward padded to BLAS's cheaper row counts (models/rows.py), and apart for
     each choice of verify kernel paths (models/quantized.py)."""
-    padded = "-padded" if getattr(target, "padding", None) is not None else ""
-    # On Metal, the verify paths its calibration chose for a quantized target (its key).
-    kernel = getattr(target, "verify_kernel", None)
-    return profile_key(target) + padded + (kernel.key if kernel is not None else "")
+    return profile_key(target) + target.forward_paths
 
 
 def verify_steps(target) -> float:
     """What a verify of PROBE_TOKENS tokens costs in plain steps on this machine: from the
     cached verify profile, else a quick probe (two sizes, cached too)."""
-    target = getattr(target, "unbatched", target)
+    target = target.unbatched
     name = profile_name(target)
     prof = VerifyProfile._load(cache_root() / "profiles" / f"{name}.json")
     if not target.world.all_true(prof is not None):
@@ -344,8 +341,7 @@ class AutoBudget:
     def for_target(cls, target) -> AutoBudget:
         """With the target's verify profile, measured once per model and machine and cached
         (on the target itself when it is batched: alone, not inside someone's batch)."""
-        batch = getattr(target, "batcher", None)
-        target = getattr(target, "unbatched", target)
+        batch, target = target.batcher, target.unbatched
         policy = cls(VerifyProfile.load_or_measure(target, profile_name(target)))
         policy.batch = batch
         return policy

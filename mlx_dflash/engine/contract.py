@@ -20,7 +20,27 @@ from typing import Any, Protocol
 import mlx.core as mx
 import numpy as np
 
+from ..kernels.tree_attention import tree_depths
 from .lattice import Lattice
+
+
+@dataclass
+class Pass:
+    """One forward's arguments (TargetModel.forward): a batched row's pass waits in a
+    Batcher (engine/batch.py) for the packed forward (TargetModel.forward_rows)."""
+
+    tokens: mx.array
+    cache: list
+    start: int
+    parents: np.ndarray | None = None
+    logits: str = "all"
+    taps: bool = True
+    rewindable: bool = True
+
+    def positions(self) -> np.ndarray:
+        T = int(self.tokens.shape[0])
+        depth = np.arange(T) if self.parents is None else tree_depths(self.parents)
+        return self.start + np.asarray(depth, dtype=np.int64)
 
 
 class Cache(Protocol):
@@ -84,6 +104,21 @@ class Drafter(Protocol):
         """The n positions start+1..start+n, from one drafter pass."""
         ...
 
+    def propose_together(self, asks: list[DraftAsk]) -> list[Proposal]:
+        """Batched rows' drafter passes (this drafter's among them) as one packed pass where
+        they share a drafter, each row's Proposal as its own pass would give it."""
+        ...
+
+
+@dataclass
+class DraftAsk:
+    """A batched row's drafter pass waiting for the packed one (engine/batch.py)."""
+
+    drafter: Drafter
+    last_token: int
+    start: int
+    n: int
+
 
 class World(Protocol):
     """Where host decisions are agreed: one process (distributed.LocalWorld), or the ranks of
@@ -139,8 +174,34 @@ class TargetModel(Protocol):
         ranks that agree every host decision. Plain decoding then keeps a step in flight."""
         ...
 
+    @property
+    def batcher(self) -> Any:
+        """The Batcher its forwards join (engine/batch.py), or None: forwards of its own."""
+        ...
+
+    @property
+    def unbatched(self) -> TargetModel:
+        """The target itself, outside any batch (the auto budget times its own forwards)."""
+        ...
+
+    @property
+    def forward_paths(self) -> str:
+        """Which forward paths it runs, in a few characters ("" for stock ones): row padding
+        on the CPU, the verify kernel's choices on Metal. A verify profile measured under one
+        choice does not price another, so the profile's cache name includes it."""
+        ...
+
     def make_cache(self) -> list[Any]:
         """One Cache per layer."""
+        ...
+
+    def new_arena(self) -> Any:
+        """A KV buffer the rows of a batch share (models/arena.py), or None."""
+        ...
+
+    def forward_rows(self, passes: list[Pass]) -> list[tuple[mx.array | None, mx.array | None]]:
+        """Several rows' passes as one packed forward (weights read once for all): each
+        row's (logits, taps), as its own forward would give them."""
         ...
 
     def forward(

@@ -35,8 +35,10 @@ def device_class() -> str:
         return "cpu"
     if mx.metal.is_available():
         return "metal"
-    cuda = getattr(mx, "cuda", None)
-    return "gpu" if cuda is not None and cuda.is_available() else "cpu"
+    try:
+        return "gpu" if mx.cuda.is_available() else "cpu"
+    except AttributeError:  # an MLX built without the CUDA module
+        return "cpu"
 
 
 def on_metal() -> bool:

@@ -102,8 +102,10 @@ _LL_TOKENIZERS: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary
 def _ll_tokenizer(tokenizer: Any, vocab_size: int, eos: tuple[int, ...]):
     import llguidance
     import llguidance.hf
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper holds it
+    # mlx-lm's TokenizerWrapper holds the Hugging Face tokenizer llguidance reads
+    hf = tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
     per = _LL_TOKENIZERS.setdefault(tokenizer, {})
     key = (vocab_size, eos)
     if key not in per:

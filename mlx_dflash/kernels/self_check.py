@@ -63,13 +63,6 @@ def register(name: str, check, sources, factory) -> None:
     _families[name] = Family(check, sources, factory)
 
 
-def family_of(name: str) -> Family:
-    """A family by name, importing the kernel modules first (each registers on import)."""
-    if name not in _families:
-        from . import gated_delta, quantized, tree_attention  # noqa: F401
-    return _families[name]
-
-
 # ---------------------------------------------------------------------------------------------
 # The checks: small cases that reach every kernel of a family, against the MLX-ops references
 
@@ -87,7 +80,7 @@ def assert_close(name: str, got: mx.array, want: mx.array, atol: float, rtol: fl
 
 def run_check(family: str, make: KernelFactory | None = None) -> Verdict:
     """Run one family's check now: a Verdict, never an exception."""
-    fam = family_of(family)
+    fam = _families[family]
     try:
         fam.check(make or fam.factory())
     except Exception as e:  # compile errors surface as RuntimeError/ValueError from MLX
@@ -112,7 +105,7 @@ def verdict_key(family: str) -> str:
     except Exception:  # older MLX without device_info
         device = "gpu"
     source = hashlib.sha1(
-        json.dumps(family_of(family).sources(), sort_keys=True).encode()
+        json.dumps(_families[family].sources(), sort_keys=True).encode()
     ).hexdigest()[:12]
     return f"{family}|mlx {mx.__version__}|{platform.machine()} {device}|{source}"
 

@@ -22,7 +22,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..engine.contract import Proposal
+from ..engine.contract import DraftAsk, Proposal
 from ..errors import DFlashError
 from ..kernels import cpu_math
 from ..kernels.cpu_attention import cpu_attention, use_cpu_attention
@@ -218,7 +218,9 @@ class DrafterRunner:
     def __init__(self, drafter: DFlashDrafter, target):
         self.drafter = drafter
         self.cfg = drafter.cfg
-        self.target = target
+        # The target's embeddings and head, read directly; in a batched row (a BatchedTarget)
+        # its passes join the batch's (propose).
+        self.target, self.batcher = target.unbatched, target.batcher
         self.block_size = self.cfg.block_size
         self.kind = self.cfg.kind
         corpus = None if drafter.folder is None else Path(drafter.folder) / CORPUS_FILE
@@ -267,10 +269,15 @@ class DrafterRunner:
         """The n positions start+1..start+n, from one drafter pass: logits, and a DFlash 2
         drafter's lattice. In a batched row (engine/batch.py) the pass joins the other rows'
         (propose_packed)."""
-        batcher = getattr(self.target, "batcher", None)
-        if batcher is not None and batcher.in_row():
-            return batcher.propose(self, last_token, start, n)
+        if self.batcher is not None and self.batcher.in_row():
+            return self.batcher.propose(self, last_token, start, n)
         return self.propose_alone(last_token, start, n)
+
+    def propose_together(self, asks: list[DraftAsk]) -> list[Proposal]:
+        """Batched rows' passes as one (propose_packed)."""
+        return propose_packed(
+            [a.drafter for a in asks], [(a.last_token, a.start, a.n) for a in asks]
+        )
 
     def propose_alone(self, last_token: int, start: int, n: int) -> Proposal:
         """One drafter pass of its own."""

@@ -20,30 +20,12 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from ..engine.contract import Pass
 from ..errors import DFlashError
-from ..kernels.tree_attention import tree_depths
 from .attention import packed_attention
 from .gated_deltanet import gdn_forward
 from .mla import is_mla, mla_attention
 from .rows import on_real_rows, pad_rows
-
-
-@dataclass
-class Pass:
-    """One row's forward: the arguments of Target.forward."""
-
-    tokens: mx.array
-    cache: list
-    start: int
-    parents: np.ndarray | None = None
-    logits: str = "all"
-    taps: bool = True
-    rewindable: bool = True
-
-    def positions(self) -> np.ndarray:
-        T = int(self.tokens.shape[0])
-        depth = np.arange(T) if self.parents is None else tree_depths(self.parents)
-        return self.start + np.asarray(depth, dtype=np.int64)
 
 
 @dataclass

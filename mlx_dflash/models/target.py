@@ -248,6 +248,19 @@ class Target:
         """Unsharded (a sharded target's ranks agree every token: engine/contract.py)."""
         return not self.world.sharded
 
+    @property
+    def batcher(self) -> None:
+        return None  # its forwards run alone (engine/batch.py's BatchedTarget joins a batch)
+
+    @property
+    def unbatched(self) -> Target:
+        return self
+
+    @property
+    def forward_paths(self) -> str:
+        padded = "-padded" if self.padding is not None else ""
+        return padded + (self.verify_kernel.key if self.verify_kernel is not None else "")
+
     def set_taps(self, tap_ids) -> None:
         tap_ids = [int(t) for t in tap_ids]
         for t in tap_ids:

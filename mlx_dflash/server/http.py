@@ -33,7 +33,17 @@ from .sessions import SessionPool
 from .structured import check_grammar, tool_grammar
 from .text import prompt_opens_thinking, thinking_tags
 from .tools import forced_prefix
-from .worker import Done, Job, Worker, job_config
+from .worker import (
+    Done,
+    Failed,
+    Job,
+    Logprobs,
+    Text,
+    ToolCalls,
+    Worker,
+    job_config,
+    serving_target,
+)
 
 MAX_BODY = 16 * 2**20
 # POST routes -> the request kind; GET routes (/v1/models/ID aside). /metrics counts by these.
@@ -82,7 +92,8 @@ class App:
             **{**vars(base), "stop_ids": stop_ids(target.tokenizer), "max_tokens": 1}
         )
         self.mode = base.mode
-        pool = SessionPool(target, runner, config.cache_bytes, config.cache_sessions)
+        served = serving_target(target, world, config.max_batch)
+        pool = SessionPool(served, runner, config.cache_bytes, config.cache_sessions)
         self.pool = pool
         self.worker = Worker(target, runner, base.mode, pool, world, config.max_batch)
         self.worker.answer_log = log
@@ -310,7 +321,7 @@ class Handler(BaseHTTPRequestHandler):
             if ev is None:
                 continue
             yield ev
-            if ev[0] in ("done", "error"):
+            if isinstance(ev, Done | Failed):
                 return
 
     streaming = False  # set once the SSE headers went out
@@ -422,17 +433,17 @@ class Handler(BaseHTTPRequestHandler):
         content, reasoning, calls, done, error = [], [], [], None, None
         self.entries: list[dict] = []
         for ev in self._events(job):
-            if ev[0] == "logprobs":
-                self.entries += P.token_entries(self.app.tokenizer, ev[2], ev[1])
-            elif ev[0] == "text":
-                reasoning.append(ev[1] or "")
-                content.append(ev[2] or "")
-            elif ev[0] == "tool":
-                calls += ev[1]
-            elif ev[0] == "done":
-                done = ev[1]
+            if isinstance(ev, Logprobs):
+                self.entries += P.token_entries(self.app.tokenizer, ev.logprobs, ev.tokens)
+            elif isinstance(ev, Text):
+                reasoning.append(ev.reasoning or "")
+                content.append(ev.content or "")
+            elif isinstance(ev, ToolCalls):
+                calls += ev.calls
+            elif isinstance(ev, Done):
+                done = ev
             else:
-                error = ev[1]
+                error = ev.message
         return "".join(content), "".join(reasoning), calls, done, error
 
     def _answer(self, req: P.Request, job: Job) -> None:
@@ -463,14 +474,14 @@ class Handler(BaseHTTPRequestHandler):
             self._sse(P.chat_chunk(rid, name, {"role": "assistant", "content": ""}))
         n_calls = 0
         for ev in self._events(job):
-            if ev[0] == "logprobs":
-                entries = P.token_entries(self.app.tokenizer, ev[2], ev[1])
+            if isinstance(ev, Logprobs):
+                entries = P.token_entries(self.app.tokenizer, ev.logprobs, ev.tokens)
                 if chat:
                     self._sse(P.chat_chunk(rid, name, {}, logprobs=entries))
                 else:
                     self._sse(P.completion_chunk(rid, name, "", logprobs=entries))
-            elif ev[0] == "text":
-                _, reasoning, content = ev
+            elif isinstance(ev, Text):
+                reasoning, content = ev.reasoning, ev.content
                 if chat:
                     delta = {}
                     if reasoning:
@@ -480,16 +491,16 @@ class Handler(BaseHTTPRequestHandler):
                     self._sse(P.chat_chunk(rid, name, delta))
                 else:
                     self._sse(P.completion_chunk(rid, name, content))
-            elif ev[0] == "tool":
-                for call in ev[1]:
+            elif isinstance(ev, ToolCalls):
+                for call in ev.calls:
                     for delta in P.tool_call_deltas(call, n_calls):
                         self._sse(P.chat_chunk(rid, name, {"tool_calls": [delta]}))
                     n_calls += 1
-            elif ev[0] == "error":
-                self._sse(P.APIError(500, ev[1], "server_error").body())
+            elif isinstance(ev, Failed):
+                self._sse(P.APIError(500, ev.message, "server_error").body())
                 break
-            elif ev[0] == "done":
-                done: Done = ev[1]
+            elif isinstance(ev, Done):
+                done = ev
                 if chat:
                     self._sse(P.chat_chunk(rid, name, {}, done.finish, done.stats))
                 else:
@@ -537,19 +548,19 @@ class Handler(BaseHTTPRequestHandler):
                             self.app.config.model_name, req)  # fmt: skip
         out.start()
         for ev in self._events(job):
-            if ev[0] == "text":
-                if ev[1]:
-                    out.reasoning(ev[1])
-                if ev[2]:
-                    out.text(ev[2])
-            elif ev[0] == "tool":
-                for call in ev[1]:
+            if isinstance(ev, Text):
+                if ev.reasoning:
+                    out.reasoning(ev.reasoning)
+                if ev.content:
+                    out.text(ev.content)
+            elif isinstance(ev, ToolCalls):
+                for call in ev.calls:
                     out.call(call)
-            elif ev[0] == "error":
-                out.event("error", code="server_error", message=ev[1], param=None)
+            elif isinstance(ev, Failed):
+                out.event("error", code="server_error", message=ev.message, param=None)
                 return
-            elif ev[0] == "done":
-                body = out.finish(ev[1])
+            elif isinstance(ev, Done):
+                body = out.finish(ev)
                 messages = list(req.messages or []) + R.as_messages(body["output"])
                 self.app.responses.keep(rid, messages)
 
@@ -575,8 +586,8 @@ class Handler(BaseHTTPRequestHandler):
             )
 
         for ev in self._events(job):
-            if ev[0] == "text":
-                for kind, text in (("thinking", ev[1]), ("text", ev[2])):
+            if isinstance(ev, Text):
+                for kind, text in (("thinking", ev.reasoning), ("text", ev.content)):
                     if not text:
                         continue
                     if block != kind:
@@ -591,8 +602,8 @@ class Handler(BaseHTTPRequestHandler):
                         },
                         "content_block_delta",
                     )
-            elif ev[0] == "tool":
-                for call in ev[1]:
+            elif isinstance(ev, ToolCalls):
+                for call in ev.calls:
                     fn = call["function"]
                     open_block("tool_use", {"type": "tool_use", "id": call["id"],
                                             "name": fn["name"], "input": {}})  # fmt: skip
@@ -602,11 +613,11 @@ class Handler(BaseHTTPRequestHandler):
                             {"type": "content_block_delta", "index": index, "delta": delta},
                             "content_block_delta",
                         )
-            elif ev[0] == "error":
-                self._sse(P.APIError(500, ev[1], "api_error").body(anthropic=True), "error")
+            elif isinstance(ev, Failed):
+                self._sse(P.APIError(500, ev.message, "api_error").body(anthropic=True), "error")
                 return
-            elif ev[0] == "done":
-                done: Done = ev[1]
+            elif isinstance(ev, Done):
+                done = ev
                 if block is None:
                     open_block("text")
                 self._sse({"type": "content_block_stop", "index": index}, "content_block_stop")

@@ -51,6 +51,32 @@ class Job:
         self.cancelled.set()
 
 
+# A job's events, in order: pieces of text, logprobs and tool calls as the answer goes, then
+# one Done or Failed.
+
+
+@dataclass
+class Text:
+    reasoning: str | None  # inside the thinking block
+    content: str | None
+
+
+@dataclass
+class Logprobs:
+    tokens: list[int]
+    logprobs: list  # per token: (its logprob, [(alternative, logprob)])
+
+
+@dataclass
+class ToolCalls:
+    calls: list[dict]
+
+
+@dataclass
+class Failed:
+    message: str
+
+
 @dataclass
 class Done:
     finish: str  # "stop" | "length" | "cancelled" | "tool_calls"
@@ -71,12 +97,9 @@ class Worker:
         self.target, self.runner, self.mode, self.pool = target, runner, mode, pool
         self.world = world
         self.jobs: queue.Queue[Job | None] = queue.Queue()
-        # Batched rounds need every row on this process: a sharded target runs one at a time.
-        self.max_batch = 1 if world.sharded else max(1, max_batch)
-        self.batcher = None
-        if self.max_batch > 1:
-            self.batcher = Batcher(target)
-            pool.target = BatchedTarget(target, self.batcher)  # its Sessions' forwards meet
+        # The pool's Sessions run on a BatchedTarget where rows batch (serving_target).
+        self.batcher = pool.target.batcher
+        self.max_batch = max(1, max_batch) if self.batcher is not None else 1
         self.running = 0  # generations under way
         self.served = 0
         self.finishes: list[str] = []  # how each job ended, in order (health, tests)
@@ -184,9 +207,9 @@ class Worker:
         try:
             self._run(job)
         except DFlashError as e:
-            job.events.put(("error", str(e)))
+            job.events.put(Failed(str(e)))
         except Exception as e:  # the server keeps serving; the client gets the reason
-            job.events.put(("error", f"{type(e).__name__}: {e}"))
+            job.events.put(Failed(f"{type(e).__name__}: {e}"))
             self.finishes.append("error")
         finally:
             self.running -= 1
@@ -197,7 +220,7 @@ class Worker:
         stats = Stats()  # (the last chunk's running totals)
         answer: list[int] = []  # its tokens, stop tokens aside (the count, the lookup corpus)
         stops = StopStrings(job.stop)
-        out = Output(job, self.target.tokenizer)
+        out = AnswerText(job, self.target.tokenizer)
         finish, hit = None, None
         stop_ids = job.cfg.stop_ids
         cfg = job.cfg
@@ -212,7 +235,7 @@ class Worker:
                     pairs = zip(chunk.tokens, chunk.round.logprobs, strict=True)
                     kept = [(t, lp) for t, lp in pairs if t not in stop_ids]
                     if kept:
-                        job.events.put(("logprobs", [t for t, _ in kept], [lp for _, lp in kept]))
+                        job.events.put(Logprobs([t for t, _ in kept], [lp for _, lp in kept]))
                 text, hit = stops.feed(chunk.text)
                 # (out.feed is True when a call ended and parallel calls are off)
                 if out.feed(text) or hit is not None:
@@ -253,10 +276,10 @@ class Worker:
         )  # fmt: skip
         if self.on_done is not None:
             self.on_done(done)
-        job.events.put(("done", done))
+        job.events.put(done)
 
 
-class Output:
+class AnswerText:
     """A job's text on its way out: the thinking split, then tool calls cut out of the content
     and parsed (a call the parser cannot read goes out as the text it was)."""
 
@@ -279,14 +302,14 @@ class Output:
 
     def _send(self, reasoning: str | None, content: str) -> bool:
         if reasoning:
-            self.job.events.put(("text", reasoning, ""))
+            self.job.events.put(Text(reasoning, ""))
         if self.calls is None:
             if content:
-                self.job.events.put(("text", None, content))
+                self.job.events.put(Text(None, content))
             return False
         for kind, text in self.calls.feed(content) if content else []:
             if kind == "text":
-                self.job.events.put(("text", None, text))
+                self.job.events.put(Text(None, text))
             elif self._call(text):
                 return True
         return False
@@ -299,10 +322,10 @@ class Output:
         parsed = parse_call(self.tokenizer, text, tools)
         if parsed is None:  # unreadable: the client gets the text as the model wrote it
             end = self.tokenizer.tool_call_end if closed else ""
-            self.job.events.put(("text", None, self.tokenizer.tool_call_start + text + end))
+            self.job.events.put(Text(None, self.tokenizer.tool_call_start + text + end))
             return False
         self.called += len(parsed)
-        self.job.events.put(("tool", parsed))
+        self.job.events.put(ToolCalls(parsed))
         return not tools.parallel
 
     def flush(self) -> None:
@@ -312,7 +335,7 @@ class Output:
         if self.calls is not None:
             content, unfinished = self.calls.flush()
             if content:
-                self.job.events.put(("text", None, content))
+                self.job.events.put(Text(None, content))
             if unfinished:  # the answer ended inside a call (length, or no end marker)
                 self._call(unfinished, closed=False)
 
@@ -343,6 +366,15 @@ def job_from_json(base: GenerationConfig, text: str) -> Job:
     fields["tags"] = tuple(fields["tags"])
     fields["tools"] = None if fields["tools"] is None else Tools(**fields["tools"])
     return Job(cfg=dataclasses.replace(base, **cfg), **fields)
+
+
+def serving_target(target, world, max_batch: int):
+    """The target a server's Sessions run on: where up to `max_batch` > 1 rows batch, one whose
+    forwards meet in a Batcher (engine/batch.py); else the target itself. Batched rounds need
+    every row on this process: a sharded target runs one request at a time."""
+    if max_batch > 1 and not world.sharded:
+        return BatchedTarget(target, Batcher(target))
+    return target
 
 
 def job_config(base: GenerationConfig, **changes) -> GenerationConfig:
