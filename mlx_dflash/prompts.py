@@ -8,6 +8,8 @@ them). A BOS token is added where the tokenizer asks for one.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .errors import DFlashError
 
 
@@ -25,7 +27,7 @@ def use_template(tokenizer, chat_template: bool | None) -> bool:
 
 def render(
     tokenizer,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     system: str | None = None,
     templated: bool = True,
     **template_kwargs,

@@ -296,7 +296,7 @@ def test_a_row_that_fails_ends_the_others_and_their_blocks(target):
     with pytest.raises(RuntimeError, match="row 1 fails"):
         run_rows(target, [row(i) for i in range(3)])
     assert sorted(ended) == [0, 1, 2]
-    assert device._wired_depth == 0
+    assert device._wired.depth == 0
 
 
 def test_a_long_prompt_is_read_in_chunks_between_the_other_rows_rounds(target, truths):

@@ -221,9 +221,12 @@ def lookup_corpus(cfg, drafter) -> str | AnswerCorpus | None:
     return None if drafter is None else drafter.corpus_file
 
 
-def live_corpus(spec: str | None) -> AnswerCorpus | None:
+def live_corpus(spec: str | AnswerCorpus | None) -> AnswerCorpus | None:
     """A corpus of the caller's own that starts as the file's answers (or empty) and grows:
-    a copy, so the file's shared index stays as read. None for "" (no corpus at all)."""
+    a copy, so the file's shared index stays as read (a caller's AnswerCorpus is already its
+    own). None for "" (no corpus at all)."""
+    if isinstance(spec, AnswerCorpus):
+        return spec
     if spec == "":
         return None
     return load_corpus(spec).copy() if spec else AnswerCorpus([])

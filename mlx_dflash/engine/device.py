@@ -24,6 +24,7 @@ its own. Both are Apple-GPU matters; on any other device both are no-ops.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import mlx.core as mx
@@ -50,30 +51,33 @@ def on_cpu() -> bool:
     return device_class() == "cpu"
 
 
-_wired_depth = 0  # nested `wired` blocks: only the outermost sets and restores the limit
+# Nested `wired` blocks per thread (a batch's rows are greenlets sharing their thread's): only
+# the outermost sets and restores the limit. Per thread, so a server's worker thread, parked
+# inside its block while it waits for requests, does not turn another thread's block off.
+class _Depth(threading.local):
+    depth = 0
+
+
+_wired = _Depth()
 
 
 @contextlib.contextmanager
 def wired(model) -> Iterator[None]:
     """Re-entrant: batched rows (engine/batch.py) run their generations inside the server's
     own block, and their enters and exits interleave, so only the outermost one acts."""
-    global _wired_depth
-    if not on_metal() or _wired_depth:
-        _wired_depth += 1
-        try:
-            yield
-        finally:
-            _wired_depth -= 1
-        return
-    from mlx_lm.generate import generation_stream, wired_limit
-
-    _wired_depth += 1
+    depth = _wired.depth
+    _wired.depth = depth + 1
     try:
+        if not on_metal() or depth:
+            yield
+            return
+        from mlx_lm.generate import generation_stream, wired_limit
+
         # mlx-lm passes its own generation stream the same way (its annotation says Stream).
         with wired_limit(model, [generation_stream]):  # type: ignore[list-item]
             yield
     finally:
-        _wired_depth -= 1
+        _wired.depth -= 1
 
 
 def compute() -> contextlib.AbstractContextManager:

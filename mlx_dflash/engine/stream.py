@@ -7,7 +7,7 @@ no caller counts rounds again.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -37,7 +37,9 @@ class Chunk:
     finish_reason: str | None  # "stop" | "length" on the last chunk, else None
 
 
-def stream_generate(session: Session, prompt: list[int], cfg: GenerationConfig) -> Iterator[Chunk]:
+def stream_generate(
+    session: Session, prompt: list[int], cfg: GenerationConfig
+) -> Generator[Chunk, None, None]:
     """Decode rounds into text as tokens are accepted (stop tokens are not printed)."""
     detok = session.target.tokenizer.detokenizer
     detok.reset()

@@ -81,9 +81,10 @@ class App:
 
     def __init__(self, target, runner, base: GenerationConfig, config: ServerConfig, world=LOCAL):
         self.target, self.tokenizer, self.config = target, target.tokenizer, config
-        if base.lookup:  # the corpus grows with the answers served (Worker._run adds each)
-            base = dataclasses.replace(base, lookup_corpus=live_corpus(base.lookup_corpus))
-        self.corpus = base.lookup_corpus if base.lookup else None
+        # The corpus grows with the answers served (Worker._run adds each).
+        self.corpus = live_corpus(base.lookup_corpus) if base.lookup else None
+        if base.lookup:
+            base = dataclasses.replace(base, lookup_corpus=self.corpus)
         log = None
         if config.keep_answers:
             log = open_answer_log(config.keep_answers, self.corpus, bool(base.lookup),
@@ -122,6 +123,7 @@ class App:
             req.messages = self.responses.conversation(req.previous) + (req.messages or [])
         thinking, inside = None, None
         if req.kind == "completion":
+            assert req.prompt is not None  # (protocol.py checked it)
             if not req.prompt.strip():
                 raise P.APIError(400, "The prompt is empty.", param="prompt")
             ids = render(self.tokenizer, [{"role": "user", "content": req.prompt}], None, False)
@@ -130,9 +132,9 @@ class App:
             if self.config.thinking is not None:
                 kwargs["enable_thinking"] = self.config.thinking
             kwargs.update(req.template_kwargs)
-            if not any(m["content"].strip() or m.get("tool_calls") for m in req.messages) and (
-                not req.system
-            ):
+            if not any(
+                m["content"].strip() or m.get("tool_calls") for m in req.messages or []
+            ) and (not req.system):
                 raise P.APIError(400, "The messages are empty.", param="messages")
             ids, thinking, inside = self._render_chat(req, kwargs)
         if self.context is not None and len(ids) >= self.context:
@@ -176,7 +178,7 @@ class App:
         forced = tools is not None and tools.choice in ("required", "function")
         # Under auto, strict calls follow free text; an answer that opens in a thinking block
         # is left free (its markers are the template's, not the grammar's).
-        if forced or (tools is not None and req.strict and not thinking and spec is None):
+        if tools is not None and (forced or (req.strict and not thinking and spec is None)):
             spec, param = tool_grammar(self.tokenizer, tools, req.strict), "tools"
         check_grammar(spec, self.target, self.base.stop_ids, param)
         return spec
@@ -215,7 +217,7 @@ class App:
 
     def _template(self, req: P.Request, kwargs: dict) -> tuple[list[int], bool | None]:
         try:
-            ids = render(self.tokenizer, req.messages, req.system, self.templated, **kwargs)
+            ids = render(self.tokenizer, req.messages or [], req.system, self.templated, **kwargs)
         except Exception as e:  # a template that rejects these messages (roles, order)
             raise P.APIError(400, f"The chat template rejected the messages: {e}") from None
         thinking = None
@@ -374,7 +376,8 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Type", self.app.metrics.content_type)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
-            return self.wfile.write(data)
+            self.wfile.write(data)
+            return
         if path == "/v1/models":
             return self._send_json(200, {"object": "list", "data": [self._model_card()]})
         if path.startswith("/v1/models/"):
@@ -567,7 +570,13 @@ class Handler(BaseHTTPRequestHandler):
     def _stream_messages(self, req: P.Request, job: Job) -> None:
         rid, name = P.new_id("msg"), self.app.config.model_name
         self._start_sse()
-        start = {"id": rid, "type": "message", "role": "assistant", "model": name, "content": []}
+        start: dict[str, Any] = {
+            "id": rid,
+            "type": "message",
+            "role": "assistant",
+            "model": name,
+            "content": [],
+        }
         start.update(stop_reason=None, stop_sequence=None, usage={"input_tokens": 0})
         self._sse({"type": "message_start", "message": start}, "message_start")
         block, index = None, -1
@@ -651,6 +660,7 @@ def _response_items(content: str, reasoning: str, calls: list[dict]) -> list[dic
 
 
 class Server(ThreadingHTTPServer):
+    verbose = False  # log each request (serve --verbose)
     daemon_threads = True
     allow_reuse_address = True
     # The listening backlog: the standard library's 5 reset connections under bursts of

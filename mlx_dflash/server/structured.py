@@ -95,8 +95,8 @@ def tool_grammar(tokenizer, tools: Tools, strict: set[str]) -> GrammarSpec | Non
     index = {n: i for i, n in enumerate(sorted(specs))}
     if tools.choice == "function":
         assert tools.name is not None
-        head = f'start: args_{index[tools.name]} "}}\\n" {end}'
-        return GrammarSpec("lark", "\n".join([head, *rules]))
+        one = f'start: args_{index[tools.name]} "}}\\n" {end}'
+        return GrammarSpec("lark", "\n".join([one, *rules]))
     call = " | ".join(
         f'"{{\\"name\\": \\"{n}\\", \\"arguments\\": " args_{index[n]} "}}"' for n in sorted(specs)
     )

@@ -156,7 +156,7 @@ def _anthropic_choice(tools: Tools, raw: Any) -> None:
             "'tool_choice' must be {'type': 'auto' | 'any' | 'tool' | 'none'}.",
             param="tool_choice",
         )
-    tools.choice = {"any": "required", "tool": "function"}.get(kind, kind)
+    tools.choice = {"any": "required", "tool": "function"}.get(kind, str(kind))
     if kind == "tool":
         tools.name = raw.get("name")
     tools.parallel = not raw.get("disable_parallel_tool_use", False)

@@ -11,11 +11,14 @@ only this one touches them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from ..distributed import LOCAL
 from ..engine import GenerationConfig, SamplingParams, Stats, stream_generate
@@ -25,6 +28,7 @@ from ..engine.device import wired
 from ..engine.grammar import GrammarSpec
 from ..engine.session import uses_drafter
 from ..errors import DFlashError
+from .kept_answers import AnswerLog
 from .sessions import SessionPool
 from .text import StopStrings, ThinkingSplitter, ToolCallSplitter
 from .tools import Tools, parse_call
@@ -103,8 +107,11 @@ class Worker:
         self.running = 0  # generations under way
         self.served = 0
         self.finishes: list[str] = []  # how each job ended, in order (health, tests)
-        self.on_done = None  # called with each job's Done (the server's metrics)
-        self.answer_log = None  # serve --keep-answers: where rank 0 keeps each answer
+        # called with each job's Done (the server's metrics)
+        self.on_done: Callable[[Done], None] | None = None
+        self.answer_log: AnswerLog | None = (
+            None  # serve --keep-answers: where rank 0 keeps each answer
+        )
         # Set while the worker waits for a job with nothing under way: every row has ended
         # and left the batch's arena (a client has its answer a little before that).
         self.quiet = threading.Event()
@@ -159,7 +166,7 @@ class Worker:
             self.jobs.put(None)
             self.thread.join(timeout=10)
 
-    def _next(self, block: bool = True) -> Job | None | bool:
+    def _next(self, block: bool = True) -> Job | None | Literal[False]:
         """The next job not cancelled while it waited (None: stop; False: none waiting and
         `block` off); sent to the follower ranks of a sharded target."""
         while True:
@@ -198,7 +205,7 @@ class Worker:
                         return
                     if job is False:
                         break
-                    batcher.add(lambda job=job: self._serve(job))
+                    batcher.add(functools.partial(self._serve, job))
                 batcher.tick()
 
     def _serve(self, job: Job) -> None:
