@@ -13,6 +13,8 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_dflash.engine.contract import Proposal
+from mlx_dflash.engine.lattice import LatticeDrafts
+from mlx_dflash.engine.marginals import Marginals
 
 
 class OracleDrafter:
@@ -59,7 +61,7 @@ class OracleDrafter:
             # Two clear candidates over a flat rest: p(top) ~ 0.88, p(second) ~ 0.12 at margin 2.
             logits[k, top] += 12.0
             logits[k, second] += 12.0 - self.margin
-        return Proposal(mx.array(logits))
+        return Marginals(mx.array(logits))
 
 
 class LatticeOracle(OracleDrafter):
@@ -102,7 +104,7 @@ class LatticeOracle(OracleDrafter):
                 i, j = cand[t - 1] == truth[t], cand[t] == truth[t + 1]
                 pairs[t - 1][np.ix_(i, j)] += self.bonus
         lattice = Lattice(mx.array(cand), mx.array(first), mx.array(pairs))
-        return Proposal(mx.array(logits), lattice)
+        return LatticeDrafts(mx.array(logits), lattice)
 
 
 def diversify(model, gain: float = 3.0, seed: int = 0) -> None:

@@ -15,6 +15,7 @@ from test_sampling import chi2_pvalue
 
 from mlx_dflash.engine import GenerationConfig, Session, generate_rounds
 from mlx_dflash.engine.batch import run_rows
+from mlx_dflash.engine.lattice import LatticeDrafts
 from mlx_dflash.engine.sampling import SamplingParams
 from mlx_dflash.models.arena import SlotCache
 from mlx_dflash.models.target import Target
@@ -384,8 +385,9 @@ def test_packed_drafter_passes_are_each_rows_own(target, shape):
         want = runner.propose_alone(*req)
         assert got.logits.shape == want.logits.shape
         assert np.allclose(np.array(got.logits), np.array(want.logits), atol=1e-4, rtol=1e-4)
-        assert (got.lattice is None) == (want.lattice is None) == (drafter.cfg.kind != "dflash2")
-        if got.lattice is not None:
+        assert type(got) is type(want)
+        assert isinstance(got, LatticeDrafts) == (drafter.cfg.kind == "dflash2")
+        if isinstance(got, LatticeDrafts):
             assert np.array_equal(np.array(got.lattice.cand), np.array(want.lattice.cand))
             for part in ("first", "pairs"):
                 a, b = getattr(got.lattice, part), getattr(want.lattice, part)

@@ -21,7 +21,6 @@ import mlx.core as mx
 import numpy as np
 
 from ..kernels.tree_attention import tree_depths
-from .lattice import Lattice
 
 
 @dataclass
@@ -70,14 +69,37 @@ class Cache(Protocol):
         ...
 
 
-@dataclass
-class Proposal:
-    """One drafter pass: logits (n, V) for the n slots after the last token and, from a DFlash 2
-    drafter, the selector's lattice over them: then the drafts are its chain, not the argmax
-    of the logits (engine/lattice.py)."""
+class Proposal(Protocol):
+    """One drafter pass over the n positions after the last token, as the engine uses it: a
+    chain (the DFlash round) or a best-first tree (DDTree), free or under a grammar. A drafter
+    kind is one implementation: DFlash's independent marginals (engine/marginals.py), DFlash
+    2's lattice (engine/lattice.py LatticeDrafts); the engine never asks which it has."""
 
-    logits: mx.array
-    lattice: Lattice | None = None
+    logits: mx.array  # (n, V): the drafter's logits
+
+    def chain(self, sampling: Any, key: mx.array | None) -> tuple[mx.array, mx.array | None]:
+        """Drafts (n,) on the device; with a key (sampling) also their distribution q (n, V),
+        which the acceptance rule divides by."""
+        ...
+
+    def tree(self, root: int, budget: int, branching: int, temperature: float) -> Any:
+        """The best-first tree (engine/tree.py Tree) of at most budget + 1 nodes after
+        `root`, at most `branching` children a node."""
+        ...
+
+    def constrained_tree(
+        self,
+        root: int,
+        budget: int,
+        branching: int | None,
+        temperature: float,
+        grammar: Any,
+        room: int,
+        cut: Any,
+    ) -> tuple[Any, int]:
+        """Under a grammar (engine/grammar.py): (a tree of what it allows with its forced
+        runs, cut by the budget policy's `cut`; nodes pruned). No node deeper than `room`."""
+        ...
 
 
 class Drafter(Protocol):

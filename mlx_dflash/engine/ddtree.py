@@ -15,14 +15,11 @@ import numpy as np
 from .budget import AutoBudget, FixedBudget
 from .contract import Drafter
 from .corpus import corpus_of, lookup_corpus
-from .grammar import Grammar, grammar_tree, grammar_walk, prune_tree, with_certain_run
-from .lattice import lattice_tree
+from .grammar import Grammar, grammar_walk, prune_tree, with_certain_run
 from .lookup import MAX_BRANCHES, LookupStats, PromptLookup
 from .rounds import plain_round, token_logprobs
 from .session import GenerationConfig, Round, Session
-from .tree import Tree, build_tree, graft, root_only, top_candidates, walk
-
-GRAMMAR_CANDIDATES = 8  # per depth, for a chain under a grammar (drafts it forbids are skipped)
+from .tree import Tree, graft, root_only, walk
 
 
 class DDTree:
@@ -169,26 +166,16 @@ class DDTree:
         t0 = time.perf_counter()
         proposal = drafter.propose(last, start, min(n, max_b))
         t_build = time.perf_counter() - t0
-        k = min(self.branching or max_b, max_b)
         grammar = self.grammar
-        if proposal.lattice is not None:  # DFlash 2: the tree follows the selector's chain
-            temp = self.sampling.temperature if not self.sampling.greedy else 1.0
-            tree = lattice_tree(last, proposal.lattice, max_b, k, temp)
-            if grammar is None:
-                return self.policy.cut(tree), t_build, 0
-            tree, pruned = prune_tree(tree, grammar)
-            return (
-                with_certain_run(self.policy.cut(tree), grammar, min(room, max_b)),
-                t_build,
-                pruned,
-            )
+        temp = self.sampling.temperature if not self.sampling.greedy else 1.0
         if grammar is None:
-            cand_tok, cand_lp = top_candidates(proposal.logits, k)
-            return self.policy.cut(build_tree(last, cand_tok, cand_lp, max_b)), t_build, 0
-        # A chain under a grammar takes the best allowed of a few candidates at each depth.
-        cand_tok, cand_lp = top_candidates(proposal.logits, min(max(k, GRAMMAR_CANDIDATES), max_b))
-        tree, pruned = grammar_tree(last, cand_tok, cand_lp, max_b, grammar, room, self.branching)
-        return self.policy.cut(tree), t_build, pruned
+            k = min(self.branching or max_b, max_b)
+            return self.policy.cut(proposal.tree(last, max_b, k, temp)), t_build, 0
+        # Under a grammar: only what it allows, and its forced runs as certain nodes.
+        tree, pruned = proposal.constrained_tree(
+            last, max_b, self.branching, temp, grammar, room, self.policy.cut
+        )
+        return tree, t_build, pruned
 
     def _base_tree(self, last: int, room: int) -> Tree:
         """The round's tree before any drafter or lookup node: the root, and after it a

@@ -19,12 +19,15 @@ HumanEval and mixed at 4-16 nodes, -0.03 to -0.08 on GSM8K, the drafter's home s
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
 from .device import on_cpu
+from .grammar import Grammar, prune_tree, with_certain_run
+from .sampling import SamplingParams
 from .tree import Tree
 
 
@@ -97,6 +100,40 @@ class Lattice:
         dense = mx.zeros((self.depth, vocab_size), dtype=mx.float32)
         dense = mx.put_along_axis(dense, self.cand.astype(mx.int32), q_sparse, axis=-1)
         return self._tokens(chosen), dense
+
+
+@dataclass
+class LatticeDrafts:
+    """A DFlash 2 drafter's proposal (engine/contract.py Proposal): its logits and its
+    selector's lattice, whose chain the drafts follow (greedy: z-lab's selector; sampling:
+    drawn from the lattice, with its sparse q) and whose paths the tree expands."""
+
+    logits: mx.array  # (n, V)
+    lattice: Lattice
+
+    def chain(self, sampling: SamplingParams, key: mx.array | None):
+        if key is None:
+            return self.lattice.greedy(), None
+        return self.lattice.sample(sampling.temperature, key, self.logits.shape[-1])
+
+    def tree(self, root: int, budget: int, branching: int, temperature: float) -> Tree:
+        return lattice_tree(root, self.lattice, budget, branching, temperature)
+
+    def constrained_tree(
+        self,
+        root: int,
+        budget: int,
+        branching: int | None,
+        temperature: float,
+        grammar: Grammar,
+        room: int,
+        cut: Callable[[Tree], Tree],
+    ) -> tuple[Tree, int]:
+        """The lattice's tree with what the grammar forbids pruned, cut, and its forced run at
+        the root."""
+        k = min(branching or budget, budget)
+        tree, pruned = prune_tree(self.tree(root, budget, k, temperature), grammar)
+        return with_certain_run(cut(tree), grammar, min(room, budget)), pruned
 
 
 def lattice_tree(

@@ -148,20 +148,15 @@ def block_round(
 def _draft_block(drafter, last: int, start: int, n: int, sampling, rng):
     """(drafts on the device, their distribution q or None, the acceptance rule's key).
 
-    A DFlash 2 drafter's drafts are its selector's chain, and under sampling q is the chain's
-    sparse distribution over each position's candidates (engine/lattice.py)."""
+    The proposal says what its chain is (engine/contract.py Proposal): DFlash's argmax or a
+    draw, a DFlash 2 drafter's selector chain with its sparse q (engine/lattice.py)."""
     proposal = drafter.propose(last, start, n)
-    q_logits, lattice = proposal.logits, proposal.lattice
     if sampling.greedy:
-        if lattice is not None:
-            return lattice.greedy(), None, None
-        return mx.argmax(q_logits, axis=-1).astype(mx.int32), None, None
+        drafts, _ = proposal.chain(sampling, None)
+        return drafts, None, None
     key_draft, key_accept = mx.random.split(mx.random.key(int(rng.integers(2**31))))
-    if lattice is not None:
-        drafts, q = lattice.sample(sampling.temperature, key_draft, q_logits.shape[-1])
-        return drafts, q, key_accept
-    q = device_probs(q_logits, sampling)
-    return mx.random.categorical(mx.log(q), key=key_draft).astype(mx.int32), q, key_accept
+    drafts, q = proposal.chain(sampling, key_draft)
+    return drafts, q, key_accept
 
 
 def plain_round(

@@ -23,6 +23,8 @@ import numpy as np
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..engine.contract import DraftAsk, Proposal
+from ..engine.lattice import LatticeDrafts
+from ..engine.marginals import Marginals
 from ..errors import DFlashError
 from ..kernels import cpu_math
 from ..kernels.cpu_attention import cpu_attention, use_cpu_attention
@@ -285,8 +287,8 @@ class DrafterRunner:
         logits = self.logits(h)
         if self.cfg.kind == "dflash2":
             lattice = self.drafter.candidate_selector.lattice(h, logits, last_token)
-            return Proposal(logits, lattice)
-        return Proposal(logits)
+            return LatticeDrafts(logits, lattice)
+        return Marginals(logits)
 
     def hidden(self, last_token: int, start: int, n: int) -> mx.array:
         """The drafter's final hidden states (n, H) for positions start+1..start+n."""
@@ -339,14 +341,15 @@ def propose_packed(runners: list, requests: list[tuple[int, int, int]]) -> list[
     h = drafter.norm(h)[0]
     picks = [h[k * bs + 1 : k * bs + 1 + n] for k, (_, _, n) in enumerate(requests)]
     logits = first.logits(mx.concatenate(picks))
-    out, at = [], 0
+    out: list[Proposal] = []
+    at = 0
     for (last, _, n), pick in zip(requests, picks, strict=True):
         rows = logits[at : at + n]
         at += n
         if cfg.kind == "dflash2":
-            out.append(Proposal(rows, drafter.candidate_selector.lattice(pick, rows, last)))
+            out.append(LatticeDrafts(rows, drafter.candidate_selector.lattice(pick, rows, last)))
         else:
-            out.append(Proposal(rows))
+            out.append(Marginals(rows))
     return out
 
 
