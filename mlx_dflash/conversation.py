@@ -110,6 +110,7 @@ class Conversation:
                 f"prefilled {s.prompt_tokens} tok in {s.t_prefill:.2f} s | "
                 f"draft {100 * s.t_draft / dec:.0f}% verify {100 * s.t_verify / dec:.0f}% "
                 f"other {100 * s.t_other / dec:.0f}%",
-                f"mode {self.cfg.mode} | system {self.system!r}",
+                f"mode {self.cfg.mode} | system message: "
+                + (repr(self.system) if self.system else "none (/system sets one)"),
             ]
         )

@@ -82,6 +82,7 @@ def test_scripted_session_and_commands(pair):
     assert r.exit_code == 0, r.output
     out = r.stdout
     assert "turns 1 | messages in history 2" in out
+    assert "system message: none (/system sets one)" in out and "None" not in out
     assert "System message set: Be brief." in out
     assert "Conversation reset." in out and "Unknown command /bogus" in out
     assert "/reset" in out and "/exit" in out  # the /help listing

@@ -194,3 +194,19 @@ def test_a_quantized_target_on_the_cpu_gets_a_note_on_speculative_modes(tmp_path
     assert code == 0 and err.count("note:") == 1 and "--dequantize" in err
     code, out, err = run_cli("generate", "-m", q4, "-p", "Hi", "-n", "4", "--mode", "ar")
     assert code == 0 and "note:" not in err
+
+
+def test_block_size_zero_is_refused_and_version_prints(run_cli):
+    """--block-size 0 was taken for the drafter's 16 without a word; --version is mlx-lm's."""
+    code, _, err = run_cli("generate", "-p", "Hi", "-n", "4", "--block-size", "0")
+    assert code == 1 and "Block size must be between 2 and the drafter's 16, not 0" in err
+    code, out, _ = run_cli("--version")
+    assert code == 0 and out.startswith("dflash-mlx ")
+
+
+def test_max_tokens_past_the_context_is_said_once(run_cli):
+    """The embedded target's context is 512 tokens: asking for more says so in one line."""
+    code, _, err = run_cli("generate", "-p", "Once upon a time", "-n", "520", "--mode", "ar")
+    assert code == 0 and err.count("note:") == 1 and "context of 512 tokens" in err
+    code, _, err = run_cli("generate", "-p", "Once upon a time", "-n", "32", "--mode", "ar")
+    assert code == 0 and "note:" not in err

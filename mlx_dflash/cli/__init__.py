@@ -20,6 +20,26 @@ app = typer.Typer(
 )
 
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"dflash-mlx {version('mlx-dflash')}")
+        except PackageNotFoundError:
+            typer.echo("dflash-mlx (not installed as a package)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    show_version: bool = typer.Option(
+        False, "--version", help="Print the version and exit.", callback=_version, is_eager=True
+    ),
+) -> None:
+    """Lossless DFlash / DDTree speculative decoding for MLX."""
+
+
 def _register() -> None:
     from . import bench, chat, convert, doctor, generate, models, serve, train
 

@@ -51,6 +51,9 @@ def generate_command(
     cfg = dataclasses.replace(cfg, grammar=grammar)
     ids = encode_prompt(target.tokenizer, prompt, chat_template, system, thinking)
     cfg = dataclasses.replace(cfg, stop_ids=stop_ids(target.tokenizer))
+    note = opts.context_note(target, len(ids), cfg.max_tokens)
+    if note and world.is_main:
+        typer.echo(note, err=True)
     session = Session(target, runner if cfg.uses_drafter else None)
     stats, text = Stats(), []  # (stats: the last chunk's running totals)
     for chunk in stream_generate(session, ids, cfg):

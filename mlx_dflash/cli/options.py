@@ -214,6 +214,18 @@ def slow_verify_note(target, model: str | None, mode: str, budget=None) -> str |
     )
 
 
+def context_note(target, prompt_tokens: int, max_tokens: int) -> str | None:
+    """One line where the prompt and --max-tokens together pass the model's context
+    (max_position_embeddings): what it writes past it is not what it was trained for."""
+    context = int(target.text_config.get("max_position_embeddings") or 0)
+    if not context or prompt_tokens + max_tokens <= context:
+        return None
+    return (
+        f"note: the prompt ({prompt_tokens} tokens) and --max-tokens {max_tokens} pass this "
+        f"model's context of {context} tokens; text past it may degrade."
+    )
+
+
 def print_slow_verify_note(target, model: str | None, cfg: GenerationConfig) -> None:
     note = slow_verify_note(target, model, cfg.mode, cfg.budget)
     if note is not None:

@@ -147,7 +147,7 @@ def _block_size(session: Session, cfg: GenerationConfig) -> int:
     if session.drafter is None or not cfg.uses_drafter:
         return 1
     native = session.drafter.block_size
-    bs = cfg.block_size or native
+    bs = native if cfg.block_size is None else cfg.block_size
     if bs < 2 or bs > native:
         raise DFlashError(f"Block size must be between 2 and the drafter's {native}, not {bs}.")
     if cfg.round_kind == "block" and isinstance(cfg.budget, int):
