@@ -133,6 +133,13 @@ def test_the_engine_reaches_models_through_its_contract_alone():
         assert not defs, f"{p.relative_to(ROOT)}:{defs[0]} forwards attributes (__getattr__)"
 
 
+def test_no_server_module_runs_over_350_lines():
+    """One module per wire API, the transport and the request's preparation apart (issue 49)."""
+    for p in (PKG / "server").glob("*.py"):
+        n = len(p.read_text().splitlines())
+        assert n <= 350, f"server/{p.name} has {n} lines"
+
+
 def test_importing_mlx_first_warns_on_linux():
     """OpenBLAS only takes over when it loads before mlx: a library user who imports mlx
     first is told so, rather than silently getting 10-30x slower float32 matmuls."""

@@ -16,7 +16,8 @@ import pytest
 from mlx_dflash.engine import GenerationConfig
 from mlx_dflash.models.pair import load_pair
 from mlx_dflash.models.tiny import drafter_config_dict, write_drafter_checkpoint, write_tiny_target
-from mlx_dflash.server.http import App, ServerConfig, make_server, serve_in_thread
+from mlx_dflash.server.app import App, ServerConfig
+from mlx_dflash.server.http import make_server, serve_in_thread
 from mlx_dflash.server.sessions import SessionPool
 from mlx_dflash.server.text import StopStrings, ThinkingSplitter, prompt_opens_thinking
 

@@ -69,7 +69,8 @@ def serve_command(
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, messages)."""
     from .. import distributed
-    from ..server.http import App, ServerConfig, make_server
+    from ..server.app import App, ServerConfig
+    from ..server.http import make_server
 
     flags = opts.Flags(
         max_tokens, temp, top_p, top_k, None, mode, block_size, budget, lookup, lookup_corpus

@@ -1,10 +1,19 @@
-"""Streamed text, cut where the client wants: stop strings, and the thinking split.
+"""Streamed text, cut where the client wants: stop strings, the thinking split and tool calls
+(AnswerText: a job's text on its way out as events).
 
 Both work on text as it arrives in pieces, holding back only what could still turn out to be
 the start of a stop string or of a `<think>` / `</think>` tag.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .events import Text, ToolCalls
+from .tools import parse_call
+
+if TYPE_CHECKING:
+    from .worker import Job
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -153,3 +162,64 @@ class ToolCallSplitter:
         """(content left, the text of a call the answer ended inside, or None)."""
         out, self.buf = self.buf, ""
         return ("", out) if self.calling else (out, None)
+
+
+class AnswerText:
+    """A job's text on its way out: the thinking split, then tool calls cut out of the content
+    and parsed (a call the parser cannot read goes out as the text it was)."""
+
+    def __init__(self, job: Job, tokenizer):
+        self.job, self.tokenizer = job, tokenizer
+        thinking = job.thinking
+        self.split = ThinkingSplitter(thinking, job.tags) if thinking is not None else None
+        self.calls = None
+        if job.tools is not None and job.tools.choice != "none":
+            start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
+            self.calls = ToolCallSplitter(start, end, job.inside)
+        self.called = 0
+
+    def feed(self, text: str) -> bool:
+        """Send `text` on; True when the answer should end here (a call, no parallel calls)."""
+        if not text:
+            return False
+        reasoning, content = self.split.feed(text) if self.split else (None, text)
+        return self._send(reasoning, content)
+
+    def _send(self, reasoning: str | None, content: str) -> bool:
+        if reasoning:
+            self.job.events.put(Text(reasoning, ""))
+        if self.calls is None:
+            if content:
+                self.job.events.put(Text(None, content))
+            return False
+        for kind, text in self.calls.feed(content) if content else []:
+            if kind == "text":
+                self.job.events.put(Text(None, text))
+            elif self._call(text):
+                return True
+        return False
+
+    def _call(self, text: str, closed: bool = True) -> bool:
+        """A call's text parsed and sent; True when no call may follow. `closed`: the model
+        wrote the end marker (not when the answer ended inside the call)."""
+        tools = self.job.tools
+        assert tools is not None
+        parsed = parse_call(self.tokenizer, text, tools)
+        if parsed is None:  # unreadable: the client gets the text as the model wrote it
+            end = self.tokenizer.tool_call_end if closed else ""
+            self.job.events.put(Text(None, self.tokenizer.tool_call_start + text + end))
+            return False
+        self.called += len(parsed)
+        self.job.events.put(ToolCalls(parsed))
+        return not tools.parallel
+
+    def flush(self) -> None:
+        if self.split is not None:
+            reasoning, content = self.split.flush()
+            self._send(reasoning, content)
+        if self.calls is not None:
+            content, unfinished = self.calls.flush()
+            if content:
+                self.job.events.put(Text(None, content))
+            if unfinished:  # the answer ended inside a call (length, or no end marker)
+                self._call(unfinished, closed=False)

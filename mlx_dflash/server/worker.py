@@ -28,10 +28,11 @@ from ..engine.device import wired
 from ..engine.grammar import GrammarSpec
 from ..engine.session import uses_drafter
 from ..errors import DFlashError
+from .events import Done, Failed, Logprobs
 from .kept_answers import AnswerLog
 from .sessions import SessionPool
-from .text import StopStrings, ThinkingSplitter, ToolCallSplitter
-from .tools import Tools, parse_call
+from .text import AnswerText, StopStrings
+from .tools import Tools
 
 # Prefill chunk of a batched row: each chunk rides in a packed forward with the other rows'
 # rounds, so a shorter one keeps their tokens coming while a long prompt is read.
@@ -53,42 +54,6 @@ class Job:
 
     def cancel(self) -> None:
         self.cancelled.set()
-
-
-# A job's events, in order: pieces of text, logprobs and tool calls as the answer goes, then
-# one Done or Failed.
-
-
-@dataclass
-class Text:
-    reasoning: str | None  # inside the thinking block
-    content: str | None
-
-
-@dataclass
-class Logprobs:
-    tokens: list[int]
-    logprobs: list  # per token: (its logprob, [(alternative, logprob)])
-
-
-@dataclass
-class ToolCalls:
-    calls: list[dict]
-
-
-@dataclass
-class Failed:
-    message: str
-
-
-@dataclass
-class Done:
-    finish: str  # "stop" | "length" | "cancelled" | "tool_calls"
-    stop_string: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    stats: dict
 
 
 class Worker:
@@ -284,67 +249,6 @@ class Worker:
         if self.on_done is not None:
             self.on_done(done)
         job.events.put(done)
-
-
-class AnswerText:
-    """A job's text on its way out: the thinking split, then tool calls cut out of the content
-    and parsed (a call the parser cannot read goes out as the text it was)."""
-
-    def __init__(self, job: Job, tokenizer):
-        self.job, self.tokenizer = job, tokenizer
-        thinking = job.thinking
-        self.split = ThinkingSplitter(thinking, job.tags) if thinking is not None else None
-        self.calls = None
-        if job.tools is not None and job.tools.choice != "none":
-            start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
-            self.calls = ToolCallSplitter(start, end, job.inside)
-        self.called = 0
-
-    def feed(self, text: str) -> bool:
-        """Send `text` on; True when the answer should end here (a call, no parallel calls)."""
-        if not text:
-            return False
-        reasoning, content = self.split.feed(text) if self.split else (None, text)
-        return self._send(reasoning, content)
-
-    def _send(self, reasoning: str | None, content: str) -> bool:
-        if reasoning:
-            self.job.events.put(Text(reasoning, ""))
-        if self.calls is None:
-            if content:
-                self.job.events.put(Text(None, content))
-            return False
-        for kind, text in self.calls.feed(content) if content else []:
-            if kind == "text":
-                self.job.events.put(Text(None, text))
-            elif self._call(text):
-                return True
-        return False
-
-    def _call(self, text: str, closed: bool = True) -> bool:
-        """A call's text parsed and sent; True when no call may follow. `closed`: the model
-        wrote the end marker (not when the answer ended inside the call)."""
-        tools = self.job.tools
-        assert tools is not None
-        parsed = parse_call(self.tokenizer, text, tools)
-        if parsed is None:  # unreadable: the client gets the text as the model wrote it
-            end = self.tokenizer.tool_call_end if closed else ""
-            self.job.events.put(Text(None, self.tokenizer.tool_call_start + text + end))
-            return False
-        self.called += len(parsed)
-        self.job.events.put(ToolCalls(parsed))
-        return not tools.parallel
-
-    def flush(self) -> None:
-        if self.split is not None:
-            reasoning, content = self.split.flush()
-            self._send(reasoning, content)
-        if self.calls is not None:
-            content, unfinished = self.calls.flush()
-            if content:
-                self.job.events.put(Text(None, content))
-            if unfinished:  # the answer ended inside a call (length, or no end marker)
-                self._call(unfinished, closed=False)
 
 
 # What a request sets in the server's GenerationConfig (http.py), and what a Job carries beside

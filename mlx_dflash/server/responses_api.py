@@ -1,0 +1,65 @@
+"""OpenAI's Responses API: the answer as output items (reasoning, message, function calls), or
+streamed as its typed events (responses.py EventStream); each response is kept so a later one
+can continue it (previous_response_id)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from . import protocol as P
+from . import responses as R
+from .collect import collect
+from .events import Done, Failed, Text, ToolCalls
+from .worker import Job
+
+if TYPE_CHECKING:
+    from .http import Handler
+
+
+def answer(h: Handler, req: P.Request, job: Job) -> None:
+    a = collect(h, job)
+    if a.error is not None:
+        return h.error(P.APIError(500, a.error, "server_error"))
+    if a.done is None:
+        return
+    rid, items = P.new_id("resp"), _items(a.content, a.reasoning, a.calls)
+    body = R.response_body(rid, h.app.config.model_name, req, items, a.done, "completed")
+    h.app.responses.keep(rid, list(req.messages or []) + R.as_messages(items))
+    h.send_json(200, body)
+
+
+def stream(h: Handler, req: P.Request, job: Job) -> None:
+    rid = P.new_id("resp")
+    h.start_sse()
+    out = R.EventStream(h.sse, rid, h.app.config.model_name, req)
+    out.start()
+    for ev in h.events(job):
+        if isinstance(ev, Text):
+            if ev.reasoning:
+                out.reasoning(ev.reasoning)
+            if ev.content:
+                out.text(ev.content)
+        elif isinstance(ev, ToolCalls):
+            for call in ev.calls:
+                out.call(call)
+        elif isinstance(ev, Failed):
+            out.event("error", code="server_error", message=ev.message, param=None)
+            return
+        elif isinstance(ev, Done):
+            body = out.finish(ev)
+            messages = list(req.messages or []) + R.as_messages(body["output"])
+            h.app.responses.keep(rid, messages)
+
+
+def _items(content: str, reasoning: str, calls: list[dict]) -> list[dict]:
+    items = []
+    if reasoning:
+        item = R.Output.reasoning_item()
+        item.update(status="completed", content=[{"type": "reasoning_text", "text": reasoning}])
+        items.append(item)
+    if content or not calls:
+        item = R.Output.text_item()
+        item.update(status="completed")
+        item["content"].append({"type": "output_text", "text": content, "annotations": []})
+        items.append(item)
+    return items + [R.Output.call_item(c) for c in calls]
