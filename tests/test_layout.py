@@ -158,13 +158,14 @@ def test_importing_mlx_first_warns_on_linux():
     assert ok.returncode == 0, ok.stderr
 
 
-def test_no_function_in_the_package_runs_over_80_lines():
+def test_no_function_runs_over_80_lines_nor_over_60_in_the_engine():
+    """The package's functions fit a screen; the engine's a smaller one (issue 49)."""
     long = [
         f"{p.relative_to(ROOT)}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)"
         for p in PKG.rglob("*.py")
         for n in ast.walk(ast.parse(p.read_text()))
         if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
-        and n.end_lineno - n.lineno + 1 > 80
+        and n.end_lineno - n.lineno + 1 > (60 if p.parent.name == "engine" else 80)
     ]
     assert not long, long
 

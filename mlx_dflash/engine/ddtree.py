@@ -84,21 +84,7 @@ class DDTree:
         t_build += time.perf_counter() - t1
         mx.eval(logits if taps is None else (logits, taps))
         t2 = time.perf_counter()
-        masks: list | None = [] if self.logprobs is not None else None
-        if self.grammar is not None:
-            path, bonus = grammar_walk(tree, logits, self.sampling, rng, self.grammar, masks)
-        else:
-            path, bonus = walk(tree, logits, self.sampling, rng)
-        *path, bonus = session.world.agree_seq([*path, bonus]).tolist()
-        session.commit([int(tree.tokens[i]) for i in path], taps, path)
-        out = [int(tree.tokens[i]) for i in path[1:]] + [bonus]
-        if self.grammar is not None:
-            self.grammar.accept(out)
-        lps = None
-        if self.logprobs is not None:
-            lps = token_logprobs(logits, path, out, self.logprobs, masks or None)
-        for chain in chains:
-            self.chain_stats.record(chain, out)
+        path, out, lps = self._accept(tree, logits, taps, rng, chains)
         t3 = time.perf_counter()
         drafted = n_drafted if self.drafter is not None else 0
         if drafting:
@@ -120,6 +106,27 @@ class DDTree:
             certain=int(certain.sum()),
             certain_accepted=int(sum(certain[i] for i in path[1:])),
         )
+
+    def _accept(self, tree: Tree, logits, taps, rng, chains: list[list[int]]):
+        """Walk the verified tree (under a grammar, its masked walk), agreed over the ranks,
+        and commit the accepted path: (path, emitted tokens, their logprobs or None)."""
+        session = self.session
+        masks: list | None = [] if self.logprobs is not None else None
+        if self.grammar is not None:
+            path, bonus = grammar_walk(tree, logits, self.sampling, rng, self.grammar, masks)
+        else:
+            path, bonus = walk(tree, logits, self.sampling, rng)
+        *path, bonus = session.world.agree_seq([*path, bonus]).tolist()
+        session.commit([int(tree.tokens[i]) for i in path], taps, path)
+        out = [int(tree.tokens[i]) for i in path[1:]] + [bonus]
+        if self.grammar is not None:
+            self.grammar.accept(out)
+        lps = None
+        if self.logprobs is not None:
+            lps = token_logprobs(logits, path, out, self.logprobs, masks or None)
+        for chain in chains:
+            self.chain_stats.record(chain, out)
+        return path, out, lps
 
     def _draft(
         self,

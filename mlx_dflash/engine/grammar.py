@@ -289,14 +289,7 @@ def grammar_tree(
             continue
         expand(add(t, parent, -neg, False))
     grammar.goto([])
-    tree = Tree(
-        np.array(tok, dtype=np.int64),
-        np.array(par, dtype=np.int64),
-        np.array(dep, dtype=np.int64),
-        np.array(lps, dtype=np.float64),
-        np.array(sure, dtype=bool) if any(sure) else None,
-    )
-    return tree.prefix(min(len(tok), budget + 1)), pruned
+    return Tree.of(tok, par, dep, lps, sure).prefix(min(len(tok), budget + 1)), pruned
 
 
 def with_certain_run(tree: Tree, grammar: Grammar, limit: int) -> Tree:

@@ -185,12 +185,7 @@ def lattice_tree(
             heapq.heappush(heap, (neg + lp - child(d, out_idx[parent], r + 1)[1], d, r + 1, parent))
         if d + 1 < n:
             heapq.heappush(heap, (neg - child(d + 1, j, 0)[1], d + 1, 0, node))
-    return Tree(
-        np.array(out_tok, dtype=np.int64),
-        np.array(out_par, dtype=np.int64),
-        np.array(out_dep, dtype=np.int64),
-        np.array(out_lp, dtype=np.float64),
-    )
+    return Tree.of(out_tok, out_par, out_dep, out_lp)
 
 
 def _log_softmax(x: np.ndarray, off) -> np.ndarray:

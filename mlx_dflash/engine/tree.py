@@ -31,6 +31,14 @@ class Tree:
     # no such node. Their log_probs are their parent's.
     certain: np.ndarray | None = None
 
+    @classmethod
+    def of(cls, tokens, parents, depths, log_probs, certain=None) -> Tree:
+        """A tree from parallel lists (certain: None, or per node, kept only if any is)."""
+        sure = None if certain is None or not any(certain) else np.array(certain, dtype=bool)
+        return cls(np.array(tokens, dtype=np.int64), np.array(parents, dtype=np.int64),
+                   np.array(depths, dtype=np.int64), np.array(log_probs, dtype=np.float64),
+                   sure)  # fmt: skip
+
     def is_certain(self) -> np.ndarray:
         if self.certain is None:
             return np.zeros(len(self.tokens), dtype=bool)
@@ -74,13 +82,7 @@ def graft(
                 kids[node][int(tok)] = nxt
                 kids.append({})
             node = nxt
-    return Tree(
-        np.array(tokens, dtype=np.int64),
-        np.array(parents, dtype=np.int64),
-        np.array(depths, dtype=np.int64),
-        np.array(lps, dtype=np.float64),
-        np.array(sure, dtype=bool) if any(sure) else None,
-    )
+    return Tree.of(tokens, parents, depths, lps, sure)
 
 
 def root_only(root: int) -> Tree:
@@ -153,12 +155,7 @@ def build_tree(root: int, tokens: np.ndarray, lp: np.ndarray, budget: int) -> Tr
             heapq.heappush(heap, (neg + lp[d, r] - lp[d, r + 1], d, r + 1, parent))
         if d + 1 < depth_max:
             heapq.heappush(heap, (neg - lp[d + 1, 0], d + 1, 0, node))
-    return Tree(
-        np.array(out_tok, dtype=np.int64),
-        np.array(out_par, dtype=np.int64),
-        np.array(out_dep, dtype=np.int64),
-        np.array(out_lp, dtype=np.float64),
-    )
+    return Tree.of(out_tok, out_par, out_dep, out_lp)
 
 
 def expected_tokens(tree: Tree, calibration: float = 1.0) -> np.ndarray:
