@@ -93,6 +93,8 @@ class Conversation:
             f"tau {d['mean_tau']:.2f} | "
             f"prefill {stats.prompt_tokens} new of {self.last_prompt_tokens} ({reused} cached)"
         )
+        if stats.finish == "length":  # the answer stops mid-thought: say why
+            return line + f" | cut at --max-tokens {self.cfg.max_tokens}"
         return line + (" | interrupted" if stats.finish == "interrupted" else "")
 
     def stats_text(self) -> str:

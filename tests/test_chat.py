@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 from oracle import OracleDrafter, diversify
@@ -200,3 +201,18 @@ def test_forcing_a_missing_template_fails(loaded):
 
     with pytest.raises(DFlashError, match="no chat template"):
         Conversation(T(), None, GenerationConfig(mode="ar"), chat_template=True)
+
+
+def test_the_banner_names_the_pair_and_a_cut_answer_says_so(pair):
+    """The banner names the model, its drafter and what runs; an answer cut at -n says so on
+    its stats line instead of ending mid-word without a word."""
+    from mlx_dflash.cli.chat import banner
+
+    model, drafter = pair
+    target, runner = load_pair(model, drafter)
+    cfg = GenerationConfig(mode="dflash")
+    line = banner(model, runner, cfg)
+    assert model in line and f"drafter {Path(drafter).name}" in line and "dflash" in line
+    assert "drafter" not in banner(model, runner, GenerationConfig(mode="ar"))
+    r = invoke(["chat", "-m", model, "-d", drafter, "-n", "4"], ["Hello there", "/exit"])
+    assert r.exit_code == 0 and "cut at --max-tokens 4" in r.stderr

@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import typer
 
@@ -171,6 +172,14 @@ def run_chat(chat: Conversation, io) -> None:
         io.end_answer(chat.turn_line(stats))
 
 
+def banner(model: str | None, runner, cfg) -> str:
+    """What the chat runs: the model, the drafter that drafts for it, and the configuration."""
+    name = model or "stories260K (the embedded pair)"
+    folder = runner.drafter.folder if runner is not None and cfg.uses_drafter else None
+    drafts = f" + drafter {Path(folder).name}" if folder is not None else ""
+    return f"dflash-mlx chat: {name}{drafts} ({describe(cfg, runner)})"
+
+
 def chat_command(
     model: str = opts.MODEL,
     drafter: str = opts.DRAFTER,
@@ -200,7 +209,7 @@ def chat_command(
     chat = Conversation(target, runner, cfg, system, chat_template, thinking)
     io = SharedIO(RichIO() if sys.stdin.isatty() and sys.stdout.isatty() else PlainIO(), world)
     if isinstance(io.io, RichIO):
-        io.notice(f"dflash-mlx chat ({describe(cfg, runner)}) - /help for commands, /exit to quit")
+        io.notice(f"{banner(model, runner, cfg)} - /help for commands, /exit to quit")
     if not chat.templated:
         io.notice("This model has no chat template: turns are joined as plain text.")
     run_chat(chat, io)
