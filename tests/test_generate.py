@@ -210,3 +210,10 @@ def test_max_tokens_past_the_context_is_said_once(run_cli):
     assert code == 0 and err.count("note:") == 1 and "context of 512 tokens" in err
     code, _, err = run_cli("generate", "-p", "Once upon a time", "-n", "32", "--mode", "ar")
     assert code == 0 and "note:" not in err
+
+
+def test_a_system_message_without_a_chat_template_says_where_it_went(run_cli):
+    """The embedded target has no chat template: --system is prepended as text, said once
+    (--thinking there is refused: it has no text form)."""
+    code, _, err = run_cli("generate", "-p", "Once", "-n", "4", "--system", "Be brief.")
+    assert code == 0 and err.count("note:") == 1 and "--system goes before the prompt" in err

@@ -11,7 +11,7 @@ import typer
 from .. import distributed
 from ..engine import Session, Stats, stream_generate
 from ..engine.choice import describe
-from ..prompts import encode_prompt, stop_ids
+from ..prompts import encode_prompt, stop_ids, use_template
 from . import options as opts
 
 
@@ -51,9 +51,12 @@ def generate_command(
     cfg = dataclasses.replace(cfg, grammar=grammar)
     ids = encode_prompt(target.tokenizer, prompt, chat_template, system, thinking)
     cfg = dataclasses.replace(cfg, stop_ids=stop_ids(target.tokenizer))
-    note = opts.context_note(target, len(ids), cfg.max_tokens)
-    if note and world.is_main:
-        typer.echo(note, err=True)
+    notes = [opts.context_note(target, len(ids), cfg.max_tokens)]
+    if system and not use_template(target.tokenizer, chat_template):
+        notes.append("note: without a chat template, --system goes before the prompt as text.")
+    for note in notes:
+        if note and world.is_main:
+            typer.echo(note, err=True)
     session = Session(target, runner if cfg.uses_drafter else None)
     stats, text = Stats(), []  # (stats: the last chunk's running totals)
     for chunk in stream_generate(session, ids, cfg):
