@@ -21,6 +21,16 @@ from .tree import Tree, expected_tokens, graft
 
 AUTO_MAX_BUDGET = 64
 
+# The running means --budget auto keeps between rounds, each new value weighing:
+COST_WEIGHT = 0.2  # what a round costs (outside the verify, the drafter's pass and nodes, the
+#                    machine's speed against the profile): the last ~5 rounds
+ACCEPT_WEIGHT = 0.1  # the drafter's predicted against accepted drafts: ~10 rounds (noisier)
+
+
+def smooth(old: float, new: float, weight: float, first: bool = False) -> float:
+    """The running mean after `new` (exponentially weighted); `new` itself when `first`."""
+    return new if first else (1 - weight) * old + weight * new
+
 
 class VerifyProfile:
     """Measured target verify time as a function of tree size, cached per model and machine."""
@@ -247,7 +257,7 @@ class Pacer:
     def _ema(old, tokens: float, seconds: float, a: float):
         if old is None:
             return (tokens, seconds)
-        return ((1 - a) * old[0] + a * tokens, (1 - a) * old[1] + a * seconds)
+        return (smooth(old[0], tokens, a), smooth(old[1], seconds, a))
 
     def record_plain(self, seconds: float, tokens: int = 1, size: int = 1) -> None:
         """A round without the drafter that emitted `tokens` from a verify of `size`: a plain
@@ -362,7 +372,7 @@ class AutoBudget:
         too; priced 35% too dear, it would let drafting that loses run without a pause."""
         ratio = float(np.clip(seconds / float(self.profile.cost(size)), 0.25, 4.0))
         first = self.timed_verifies == 0
-        self.speed = ratio if first else 0.8 * self.speed + 0.2 * ratio
+        self.speed = smooth(self.speed, ratio, COST_WEIGHT, first)
         self.timed_verifies += 1
         if not self.pacer.heard_plain:
             self.pacer.plain = (1.0, self.speed * float(self.profile.cost(1)))
@@ -450,20 +460,20 @@ class AutoBudget:
         """A tree round: its first `n_drafted` nodes were the drafter's (0: lookup only), it
         accepted `path`, emitted `emitted` tokens, spent `t_fixed` outside the verify (of it
         `t_draft` in the drafter's pass) and `t` in all."""
-        self.t_fixed = 0.8 * self.t_fixed + 0.2 * t_fixed if self.t_fixed else t_fixed
+        self.t_fixed = smooth(self.t_fixed, t_fixed, COST_WEIGHT, first=not self.t_fixed)
         if n_drafted:
             first = self.drafted_rounds == 0
-            self.t_draft = t_draft if first else 0.8 * self.t_draft + 0.2 * t_draft
+            self.t_draft = smooth(self.t_draft, t_draft, COST_WEIGHT, first)
             nodes = float(n_drafted - 1)
-            self.drafter_nodes = nodes if first else 0.8 * self.drafter_nodes + 0.2 * nodes
+            self.drafter_nodes = smooth(self.drafter_nodes, nodes, COST_WEIGHT, first)
             self.drafted_rounds += 1
             # The drafter's confidence against its acceptance; grammar drafts are neither.
             certain = tree.is_certain()
             drafter = ~certain[1:n_drafted]
             predicted = float(np.exp(tree.log_probs[1:n_drafted])[drafter].sum())
-            self.expected = 0.9 * self.expected + 0.1 * predicted
+            self.expected = smooth(self.expected, predicted, ACCEPT_WEIGHT)
             realised = sum(i < n_drafted and not certain[i] for i in path[1:])
-            self.realised = 0.9 * self.realised + 0.1 * realised
+            self.realised = smooth(self.realised, realised, ACCEPT_WEIGHT)
         self.tree_rounds += 1
         if self.batch is not None:  # the verify's share of the packed forward, not its wall
             costs = self.costs()
