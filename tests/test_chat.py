@@ -216,3 +216,15 @@ def test_the_banner_names_the_pair_and_a_cut_answer_says_so(pair):
     assert "drafter" not in banner(model, runner, GenerationConfig(mode="ar"))
     r = invoke(["chat", "-m", model, "-d", drafter, "-n", "4"], ["Hello there", "/exit"])
     assert r.exit_code == 0 and "cut at --max-tokens 4" in r.stderr
+
+
+def test_a_pasted_message_is_one_turn_and_a_backslash_continues():
+    from mlx_dflash.cli.chat import join_message
+
+    waiting = iter(["second line", "third line"])
+    asked = []
+    one = join_message("first line", lambda: next(waiting, None), lambda: asked.append(1) or "")
+    assert one == "first line\nsecond line\nthird line" and not asked
+    typed = iter(["goes on", "and ends"])
+    msg = join_message("starts \\", lambda: None, lambda: next(typed))
+    assert msg == "starts \ngoes on" and next(typed) == "and ends"

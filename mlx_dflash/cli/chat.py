@@ -27,6 +27,7 @@ COMMANDS = {
     "/stats": "totals for this session",
     "/help": "this list",
     "/exit": "quit (also /quit or Ctrl-D)",
+    "line\\": "a line ending in a backslash goes on on the next (a paste is one message)",
 }
 
 
@@ -74,6 +75,31 @@ class PlainIO:
         print(text, file=sys.stderr)
 
 
+def join_message(first: str, pending: Callable[[], str | None], more: Callable[[], str]) -> str:
+    """One message from a terminal: a paste's lines (already waiting: `pending`) join the
+    first, and a line ending in a backslash asks for the next (`more`)."""
+    lines = [first]
+    while True:
+        if lines[-1].endswith("\\"):
+            lines[-1] = lines[-1][:-1]
+            nxt: str | None = more()
+        else:
+            nxt = pending()
+        if nxt is None:
+            return "\n".join(lines)
+        lines.append(nxt)
+
+
+def _pasted_line() -> str | None:
+    """The next line if it is already waiting on stdin (the rest of a paste), else None."""
+    import select
+
+    if not select.select([sys.stdin], [], [], 0.03)[0]:
+        return None
+    line = sys.stdin.readline()
+    return None if line == "" else line.rstrip("\n")
+
+
 class RichIO:
     """A terminal: a coloured prompt, line editing, streamed answers, dim stats."""
 
@@ -87,7 +113,8 @@ class RichIO:
     def read(self) -> str | None:
         while True:
             try:
-                return self.console.input("[bold green]>>> [/]")
+                first = self.console.input("[bold green]>>> [/]")
+                return join_message(first, _pasted_line, lambda: self.console.input("... "))
             except EOFError:
                 self.console.print()
                 return None
