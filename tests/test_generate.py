@@ -217,3 +217,30 @@ def test_a_system_message_without_a_chat_template_says_where_it_went(run_cli):
     (--thinking there is refused: it has no text form)."""
     code, _, err = run_cli("generate", "-p", "Once", "-n", "4", "--system", "Be brief.")
     assert code == 0 and err.count("note:") == 1 and "--system goes before the prompt" in err
+
+
+def test_prompt_file_and_extra_eos_token_as_mlx_lm_reads_them(run_cli, tmp_path):
+    """--prompt-file reads the prompt; --extra-eos-token (a token's id or text) ends the answer
+    where the target first emits it; a missing file or unknown token is one sentence."""
+    (tmp_path / "p.txt").write_text(STORY)
+    args = ("generate", "-n", "24", "--mode", "ar", "--json", "--no-chat-template")
+    code, out, err = run_cli(*args, "-p", STORY)
+    assert code == 0, err
+    full = json.loads(out)
+    code, out, _ = run_cli(*args, "--prompt-file", tmp_path / "p.txt")
+    assert code == 0 and json.loads(out)["text"] == full["text"]
+    target, _ = load_pair(None, None)
+    ids = target.tokenizer.encode(STORY)
+    argmax = lambda x: mx.argmax(x, axis=-1)  # noqa: E731
+    steps = generate_step(mx.array(ids), target.model, max_tokens=24, sampler=argmax)
+    tokens = [int(t) for t, _ in steps]
+    stop = tokens[6]
+    code, out, _ = run_cli(*args, "-p", STORY, "--extra-eos-token", str(stop))
+    cut = tokens[: tokens.index(stop)]
+    assert code == 0 and json.loads(out)["text"] == target.tokenizer.decode(cut)
+    code, _, err = run_cli(*args, "--prompt-file", tmp_path / "none.txt")
+    assert code == 1 and "Cannot read the prompt file" in err and "No such file" in err
+    code, _, err = run_cli(*args, "-p", STORY, "--extra-eos-token", "zzzqqq")
+    assert code == 1 and "'zzzqqq' is not a token of this model" in err
+    code, _, err = run_cli(*args)
+    assert code == 1 and "--prompt or --prompt-file" in err

@@ -16,7 +16,8 @@ from . import options as opts
 
 
 def generate_command(
-    prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text, or '-' to read stdin."),
+    prompt: str = typer.Option(None, "--prompt", "-p", help="Prompt text, or '-' to read stdin."),
+    prompt_file: str = typer.Option(None, "--prompt-file", help="Read the prompt from a file."),
     model: str = opts.MODEL,
     drafter: str = opts.DRAFTER,
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", min=1),
@@ -37,10 +38,12 @@ def generate_command(
     lark: str = opts.LARK,
     as_json: bool = typer.Option(False, "--json", help="Print text and stats as one JSON object."),
     quiet_stats: bool = typer.Option(False, "--no-stats", help="Do not print the stats line."),
+    extra_eos: list[str] = typer.Option(
+        [], "--extra-eos-token", help="A token (text or id) that also ends the answer; repeatable."
+    ),
 ) -> None:
     """Generate text with DFlash / DDTree speculative decoding (or plain decoding: --mode ar)."""
-    if prompt == "-":
-        prompt = sys.stdin.read()
+    prompt = opts.read_prompt(prompt, prompt_file)
     flags = opts.Flags(
         max_tokens, temp, top_p, top_k, seed, mode, block_size, budget, lookup, lookup_corpus
     )
@@ -50,7 +53,8 @@ def generate_command(
     target, runner, cfg = opts.load_settled(flags, model, drafter, world)
     cfg = dataclasses.replace(cfg, grammar=grammar)
     ids = encode_prompt(target.tokenizer, prompt, chat_template, system, thinking)
-    cfg = dataclasses.replace(cfg, stop_ids=stop_ids(target.tokenizer))
+    ends = stop_ids(target.tokenizer) | opts.token_ids(target.tokenizer, extra_eos)
+    cfg = dataclasses.replace(cfg, stop_ids=ends)
     notes = [opts.context_note(target, len(ids), cfg.max_tokens)]
     if system and not use_template(target.tokenizer, chat_template):
         notes.append("note: without a chat template, --system goes before the prompt as text.")

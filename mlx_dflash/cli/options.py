@@ -4,6 +4,7 @@ settings they make."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -212,6 +213,31 @@ def slow_verify_note(target, model: str | None, mode: str, budget=None) -> str |
         "cost about as many plain steps as it has tokens: speculative modes run slower than "
         f"--mode ar here. " + fix
     )
+
+
+def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
+    """The prompt from --prompt (text, or '-': stdin) or --prompt-file, exactly one of them."""
+    if (prompt is None) == (prompt_file is None):
+        raise DFlashError("Give the prompt with --prompt or --prompt-file (one of them).")
+    if prompt_file is not None:
+        try:
+            return Path(prompt_file).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            why = getattr(e, "strerror", None) or e
+            raise DFlashError(f"Cannot read the prompt file {prompt_file}: {why}.") from None
+    return sys.stdin.read() if prompt == "-" else str(prompt)
+
+
+def token_ids(tokenizer, tokens: list[str]) -> frozenset[int]:
+    """--extra-eos-token: each a token's text or its id, as mlx-lm reads them."""
+    ids = set()
+    for token in tokens:
+        tid = int(token) if token.strip().isdigit() else tokenizer.convert_tokens_to_ids(token)
+        unk = getattr(tokenizer, "unk_token_id", None)
+        if tid is None or (tid == unk and token != getattr(tokenizer, "unk_token", None)):
+            raise DFlashError(f"'{token}' is not a token of this model (--extra-eos-token).")
+        ids.add(int(tid))
+    return frozenset(ids)
 
 
 def context_note(target, prompt_tokens: int, max_tokens: int) -> str | None:
