@@ -43,7 +43,9 @@ BUDGET = typer.Option(
 CHAT_TEMPLATE = typer.Option(
     None, "--chat-template/--no-chat-template", help="Default: use it when the model has one."
 )
-SYSTEM = typer.Option(None, "--system", help="System message (chat template).")
+SYSTEM = typer.Option(
+    None, "--system", "--system-prompt", help="System message (chat template; mlx-lm's name too)."
+)
 THINKING = typer.Option(
     None,
     "--thinking/--no-thinking",
