@@ -12,6 +12,7 @@ from mlx_lm.generate import generate_step
 
 from mlx_dflash import load_pair
 from mlx_dflash.engine import GenerationConfig, Session, generate_rounds
+from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.tiny import drafter_config_dict, write_drafter_checkpoint, write_tiny_target
 from mlx_dflash.paths import DEFAULT_DRAFTER, DEFAULT_TARGET
 
@@ -244,3 +245,15 @@ def test_prompt_file_and_extra_eos_token_as_mlx_lm_reads_them(run_cli, tmp_path)
     assert code == 1 and "'zzzqqq' is not a token of this model" in err
     code, _, err = run_cli(*args)
     assert code == 1 and "--prompt or --prompt-file" in err
+
+
+def test_prefill_step_size_changes_the_chunks_not_the_text(run_cli):
+    """mlx-lm's --prefill-step-size: the prompt in chunks of 3 tokens, the same output."""
+    args = ("generate", "-p", STORY + ", there was a little dog", "-n", "24", "--json")
+    code, out, err = run_cli(*args)
+    assert code == 0, err
+    code, small, err = run_cli(*args, "--prefill-step-size", "3")
+    assert code == 0, err
+    assert json.loads(small)["text"] == json.loads(out)["text"]
+    with pytest.raises(DFlashError, match="prefill step must be at least 1"):
+        GenerationConfig(prefill_chunk=0)

@@ -220,6 +220,7 @@ def chat_command(
     budget: str = opts.BUDGET,
     lookup: int = opts.LOOKUP,
     lookup_corpus: str = opts.LOOKUP_CORPUS,
+    prefill_step_size: int = opts.PREFILL,
     chat_template: bool = opts.CHAT_TEMPLATE,
     system: str = opts.SYSTEM,
     thinking: bool = opts.THINKING,
@@ -227,9 +228,8 @@ def chat_command(
     """Chat with a model in the terminal (/help for commands); scriptable through stdin."""
     from .. import distributed
 
-    flags = opts.Flags(
-        max_tokens, temp, top_p, top_k, seed, mode, block_size, budget, lookup, lookup_corpus
-    )
+    flags = opts.Flags(max_tokens, temp, top_p, top_k, seed, mode, block_size, budget,
+                       lookup, lookup_corpus, prefill=prefill_step_size)  # fmt: skip
     world = distributed.init()  # several ranks under mlx.launch: a sharded target
     target, runner, cfg = opts.load_settled(flags, model, drafter, world)
     cfg = dataclasses.replace(cfg, stop_ids=stop_ids(target.tokenizer))

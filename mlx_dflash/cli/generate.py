@@ -30,6 +30,7 @@ def generate_command(
     budget: str = opts.BUDGET,
     lookup: int = opts.LOOKUP,
     lookup_corpus: str = opts.LOOKUP_CORPUS,
+    prefill_step_size: int = opts.PREFILL,
     chat_template: bool = opts.CHAT_TEMPLATE,
     system: str = opts.SYSTEM,
     thinking: bool = opts.THINKING,
@@ -44,9 +45,8 @@ def generate_command(
 ) -> None:
     """Generate text with DFlash / DDTree speculative decoding (or plain decoding: --mode ar)."""
     prompt = opts.read_prompt(prompt, prompt_file)
-    flags = opts.Flags(
-        max_tokens, temp, top_p, top_k, seed, mode, block_size, budget, lookup, lookup_corpus
-    )
+    flags = opts.Flags(max_tokens, temp, top_p, top_k, seed, mode, block_size, budget,
+                       lookup, lookup_corpus, prefill=prefill_step_size)  # fmt: skip
     grammar = opts.grammar_spec(json_schema, regex, lark)
     flags.config()  # every flag checked before any model loads
     world = distributed.init()  # several ranks under mlx.launch: a sharded target

@@ -43,6 +43,9 @@ BUDGET = typer.Option(
 CHAT_TEMPLATE = typer.Option(
     None, "--chat-template/--no-chat-template", help="Default: use it when the model has one."
 )
+PREFILL = typer.Option(
+    512, "--prefill-step-size", min=1, help="Prompt tokens a prefill chunk takes (mlx-lm's flag)."
+)
 SYSTEM = typer.Option(
     None, "--system", "--system-prompt", help="System message (chat template; mlx-lm's name too)."
 )
@@ -123,6 +126,7 @@ class Flags:
     budget: str | None = None
     lookup: int | None = None
     corpus: str | None = None
+    prefill: int = 512  # --prefill-step-size
 
     def config(self, mode: str | None = None) -> GenerationConfig:
         """The settings for `mode` (the typed one, else the default's DDTree), checked; a
@@ -139,6 +143,7 @@ class Flags:
             budget=self.budget,
             lookup=self.lookup,
             lookup_corpus=corpus,
+            prefill_chunk=self.prefill,
         )
         if corpus:
             load_corpus(corpus)

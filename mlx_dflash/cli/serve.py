@@ -39,6 +39,7 @@ def serve_command(
     budget: str = opts.BUDGET,
     lookup: int = opts.LOOKUP,
     lookup_corpus: str = opts.LOOKUP_CORPUS,
+    prefill_step_size: int = opts.PREFILL,
     temp: float = opts.TEMP,
     top_p: float = opts.TOP_P,
     top_k: int = opts.TOP_K,
@@ -72,9 +73,8 @@ def serve_command(
     from ..server.app import App, ServerConfig
     from ..server.http import make_server
 
-    flags = opts.Flags(
-        max_tokens, temp, top_p, top_k, None, mode, block_size, budget, lookup, lookup_corpus
-    )
+    flags = opts.Flags(max_tokens, temp, top_p, top_k, None, mode, block_size, budget,
+                       lookup, lookup_corpus, prefill=prefill_step_size)  # fmt: skip
     world = distributed.init()  # several ranks under mlx.launch: rank 0 serves HTTP
     # (cfg: the engine config every request starts from)
     target, runner, cfg = opts.load_settled(flags, model, drafter, world)

@@ -110,6 +110,10 @@ class GenerationConfig:
             self.lookup = default_lookup(self.mode, self.budget)
         if not isinstance(self.lookup, int) or self.lookup < 0:
             raise DFlashError(f"--lookup must be a number of tokens >= 0, not {self.lookup}.")
+        if not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1:
+            raise DFlashError(
+                f"The prefill step must be at least 1 token, not {self.prefill_chunk}."
+            )
         if self.lookup and self.mode not in ("ddtree", "lookup"):
             raise DFlashError(
                 "Prompt lookup (--lookup) joins DDTree trees: use --mode ddtree or lookup."
