@@ -368,7 +368,7 @@ def test_harness_bfloat16_rounds_to_nearest_even(harness):
         ("double x = in0[0]; out[0] = x;", "double"),
         ("thread float* p = &out[0]; *p = 1.0f;", "thread"),
         ("out[0] = quad_sum(in0[0]);", "quad_sum"),
-        ("simdgroup_float8x8 m; out[0] = 0.0f;", "simdgroup_float8x8"),
+        ("simdgroup_matrix<float, 4, 4> m; out[0] = 0.0f;", "8x8 simdgroup matrices only"),
         ("float4 v = float4(1.0f); out[0] = v.xy.x;", "xy"),
         ("[[clang::always_inline]] float x = in0[0]; out[0] = x;", "attribute"),
         ("out[0] = Limits<float>::max;", "Limits"),
