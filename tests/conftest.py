@@ -93,6 +93,13 @@ def session_environment(tmp_path_factory):
         patch.setenv("DFLASH_MLX_ROW_PADDING", "16")
     if "DFLASH_MLX_NUMPY_MATH" not in os.environ:
         patch.setenv("DFLASH_MLX_NUMPY_MATH", "1")
+    # `--budget auto` decodes plainly where a probe timed a verify too dear (budget.
+    # speculation_pays). On a tiny test target that verdict is the machine's load, not the
+    # model, so the tests' --budget auto always drafts (the probe still runs and is cached);
+    # tests/test_defaults.py checks the verdict itself with the real bound and fake timings.
+    from mlx_dflash.engine import budget
+
+    patch.setattr(budget, "MIN_IDEAL_SPEEDUP", 0.0)
     yield
     patch.undo()
 

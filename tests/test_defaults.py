@@ -23,6 +23,13 @@ from mlx_dflash.models.tiny import write_tiny_target
 from mlx_dflash.paths import cache_root
 
 STORY = "Once upon a time"
+REAL_BOUND = budget_mod.MIN_IDEAL_SPEEDUP  # read at import, before conftest lifts it
+
+
+@pytest.fixture(autouse=True)
+def real_bound(monkeypatch):
+    """This file checks the probe's verdict itself: with the bound users get."""
+    monkeypatch.setattr(budget_mod, "MIN_IDEAL_SPEEDUP", REAL_BOUND)
 
 
 def greedy(target, ids: list[int], n: int) -> list[int]:
@@ -201,3 +208,19 @@ def test_auto_decodes_plainly_where_no_draft_can_pay(mode):
     assert run(budget=8) > 0
     fake_timings(target, 1.3)  # float32 through BLAS: auto speculates
     assert run(budget="auto") > 0
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_5"])
+def test_plain_auto_ends_exactly_at_max_tokens(tmp_path, model_type):
+    """Where --budget auto decodes plainly, its steps are pipelined (one in flight), and the
+    last token that max_tokens allows is that same step, never a second plain step run on top
+    of the one in flight (which repeated a token: wrong text from a recurrent target)."""
+    target = load_target(write_tiny_target(tmp_path / "t", model_type))
+    ids = list(range(3, 23))
+    ref = greedy(target, ids, 12)
+    fake_timings(target, 7.0)
+    for n in (2, 3, 7, 12):
+        cfg = GenerationConfig(max_tokens=n, mode="lookup", budget="auto")
+        rounds = list(generate_rounds(Session(target), ids, cfg))
+        assert max(r.drafted for r in rounds) == 0
+        assert [t for r in rounds for t in r.tokens] == ref[:n], n

@@ -42,20 +42,24 @@ def round_function(
     kind, sampling = cfg.round_kind, cfg.sampling
     if kind != "plain" and cfg.budget == "auto" and not speculation_pays(session.target):
         kind = "plain"
+
+    def plain(last: int, n: int, rng: np.random.Generator, room: int) -> Round:
+        return plain_round(session, last, sampling, rng, logprobs=cfg.logprobs, grammar=grammar)
+
+    if kind == "plain":
+        return PipelinedSteps(session) if pipelines(session, cfg, grammar) else plain
+    spec: RoundFn
     if kind == "tree":
-        return DDTree(session, cfg, budget_policy(session.target, cfg.budget or "auto"), grammar)
-    if kind == "block" and (grammar is not None or cfg.budget == "auto"):
+        spec = DDTree(session, cfg, budget_policy(session.target, cfg.budget or "auto"), grammar)
+    elif grammar is not None or cfg.budget == "auto":
         budget = "auto" if cfg.budget == "auto" else block - 1
-        return DDTree(session, cfg, budget_policy(session.target, budget), grammar, branching=1)
-    if kind == "block":
-        return lambda last, n, rng, room: block_round(
+        spec = DDTree(session, cfg, budget_policy(session.target, budget), grammar, branching=1)
+    else:
+        spec = lambda last, n, rng, room: block_round(  # noqa: E731
             session, last, n, sampling, rng, cfg.profile, cfg.logprobs
         )
-    if pipelines(session, cfg, grammar):
-        return PipelinedSteps(session)
-    return lambda last, n, rng, room: plain_round(
-        session, last, sampling, rng, logprobs=cfg.logprobs, grammar=grammar
-    )
+    # Where max_tokens allows no draft, the last token is a plain step.
+    return lambda last, n, rng, room: (plain if room == 0 else spec)(last, n, rng, room)
 
 
 def pipelines(session: Session, cfg: GenerationConfig, grammar: Grammar | None) -> bool:
@@ -112,12 +116,7 @@ def generate_rounds(session: Session, prompt: list[int], cfg: GenerationConfig) 
             room = cfg.max_tokens - emitted - 1  # drafts allowed: never verify past max_tokens
             g0 = grammar.seconds if grammar is not None else 0.0
             with compute():
-                if room == 0 and cfg.round_kind != "plain":
-                    rnd = plain_round(
-                        session, last, cfg.sampling, rng, logprobs=cfg.logprobs, grammar=grammar
-                    )
-                else:
-                    rnd = next_round(last, min(bs - 1, room), rng, room)
+                rnd = next_round(last, min(bs - 1, room), rng, room)
             if grammar is not None:
                 rnd.t_grammar = grammar.seconds - g0
             emitted = _finish(rnd, emitted, cfg)
