@@ -212,13 +212,63 @@ def test_lattice_tree_holds_the_most_probable_paths(seed):
             scores.append(s)
     best = sorted(scores, reverse=True)
     for budget in (1, 3, 8, 40):
-        tree = lattice_tree(99, lat, budget)
+        tree = lattice_tree(99, lat, budget)[0]
         got = sorted(tree.log_probs[1:], reverse=True)
         np.testing.assert_allclose(got, best[:budget], atol=1e-9)
         assert all(tree.parents[i] < i for i in range(1, len(tree.parents)))
         assert np.all(np.diff(tree.log_probs[1:]) <= 1e-12)
-    chain = lattice_tree(99, lat, n, branching=1)  # branching 1: the greedy chain itself
+    chain = lattice_tree(99, lat, n, branching=1)[0]  # branching 1: the greedy chain itself
     assert chain.tokens[1:].tolist() == zlab_chain(lat)
+
+
+class Refuses:
+    """An allow-filter that refuses some tokens wherever they come (tree.best_first asks a
+    grammar no more than this)."""
+
+    stops: frozenset = frozenset()
+
+    def __init__(self, banned):
+        self.banned = set(banned)
+
+    def allowed(self, path, token):
+        return token not in self.banned
+
+    def run_after(self, path, limit):
+        return []
+
+    def goto(self, path):
+        pass
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lattice_tree_under_a_filter_holds_the_most_probable_allowed_paths(seed):
+    """The one heap with a grammar as its filter, over a lattice: brute force over every path
+    none of whose tokens is refused, and the refusals are counted."""
+    rng = np.random.default_rng(seed)
+    n, k = 3, 3
+    lat = random_lattice(seed, n, k)
+    cand = np.array(lat.cand)
+    banned = {int(cand[d, rng.integers(k)]) for d in range(n)}
+    first, pairs = np.array(lat.first, np.float64), np.array(lat.pairs, np.float64)
+
+    def lsm(x):
+        return x - np.log(np.exp(x - x.max()).sum()) - x.max()
+
+    scores = []
+    for d in range(1, n + 1):
+        for path in itertools.product(range(k), repeat=d):
+            if any(int(cand[t, path[t]]) in banned for t in range(d)):
+                continue
+            s = lsm(first)[path[0]]
+            for t in range(1, d):
+                s += lsm(pairs[t - 1, path[t - 1]])[path[t]]
+            scores.append(s)
+    best = sorted(scores, reverse=True)
+    for budget in (1, 4, 30):
+        tree, refused = lattice_tree(99, lat, budget, grammar=Refuses(banned))
+        assert not banned & set(tree.tokens[1:].tolist())
+        np.testing.assert_allclose(sorted(tree.log_probs[1:], reverse=True), best[:budget])
+        assert refused > 0 or budget < len(best)  # every refused token was met
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -255,14 +305,14 @@ def test_lattice_tree_keeps_the_drafters_mass_off_the_candidates(seed):
                 scores.append(s)
         best = sorted(scores, reverse=True)
         for budget in (1, 3, 8, 40):
-            tree = lattice_tree(99, full, budget, temperature=temp)
+            tree = lattice_tree(99, full, budget, temperature=temp)[0]
             np.testing.assert_allclose(tree.log_probs[1:], best[:budget], rtol=1e-5)
             assert all(tree.parents[i] < i for i in range(1, len(tree.parents)))
     # the mass off the candidates is what moves the tree: none there, the selector's alone
     only = np.full((n, vocab), -np.inf, np.float32)
     np.put_along_axis(only, cand.astype(np.int64), 0.0, axis=-1)
-    alone = lattice_tree(99, Lattice(lat.cand, lat.first, lat.pairs, mx.array(only)), 40)
-    sparse = lattice_tree(99, lat, 40)
+    alone = lattice_tree(99, Lattice(lat.cand, lat.first, lat.pairs, mx.array(only)), 40)[0]
+    sparse = lattice_tree(99, lat, 40)[0]
     assert alone.tokens.tolist() == sparse.tokens.tolist()
     np.testing.assert_allclose(alone.log_probs, sparse.log_probs, atol=1e-12)
 

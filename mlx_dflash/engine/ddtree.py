@@ -15,7 +15,7 @@ import numpy as np
 from .budget import AutoBudget, FixedBudget
 from .contract import Drafter
 from .corpus import corpus_of, lookup_corpus
-from .grammar import Grammar, grammar_walk, prune_tree, with_certain_run
+from .grammar import Grammar, prune_tree, with_certain_run
 from .lookup import MAX_BRANCHES, LookupStats, PromptLookup
 from .rounds import plain_round, token_logprobs
 from .session import GenerationConfig, Round, Session
@@ -112,10 +112,7 @@ class DDTree:
         and commit the accepted path: (path, emitted tokens, their logprobs or None)."""
         session = self.session
         masks: list | None = [] if self.logprobs is not None else None
-        if self.grammar is not None:
-            path, bonus = grammar_walk(tree, logits, self.sampling, rng, self.grammar, masks)
-        else:
-            path, bonus = walk(tree, logits, self.sampling, rng)
+        path, bonus = walk(tree, logits, self.sampling, rng, self.grammar, masks)
         *path, bonus = session.world.agree_seq([*path, bonus]).tolist()
         session.commit([int(tree.tokens[i]) for i in path], taps, path)
         out = [int(tree.tokens[i]) for i in path[1:]] + [bonus]

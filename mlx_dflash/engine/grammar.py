@@ -17,7 +17,6 @@ transformers and triton (5.7 GB here), for a cost both keep far below 1% of a de
 
 from __future__ import annotations
 
-import heapq
 import json
 import time
 import weakref
@@ -198,6 +197,19 @@ class Grammar:
                     f"The grammar rejected an emitted token: {self.matcher.get_error()}"
                 )
 
+    def allowed(self, path: list[int], token: int) -> bool:
+        """Whether `token` may follow the draft branch `path` (tree.best_first's filter)."""
+        self.goto(path)
+        return self.allows(token)
+
+    def run_after(self, path: list[int], limit: int) -> list[int] | None:
+        """After the draft branch `path`: None where the answer has ended there (nothing may
+        follow), else the run the grammar forces next (at most `limit`, often none)."""
+        if path and path[-1] in self.stops:
+            return None
+        self.goto(path)
+        return self.forced(limit)
+
     def forced(self, limit: int) -> list[int]:
         """The run of tokens the grammar allows as the only continuation here (at most `limit`)."""
         if limit <= 0 or self.matcher.is_stopped():
@@ -231,67 +243,6 @@ class Grammar:
         return draw(token_probs(masked[None], sampling)[0], rng)
 
 
-def grammar_tree(
-    root: int,
-    tokens: np.ndarray,
-    lp: np.ndarray,
-    budget: int,
-    grammar: Grammar,
-    room: int,
-    branching: int | None = None,
-) -> tuple[Tree, int]:
-    """tree.build_tree under a grammar: the best-first heap over the drafter's candidates
-    (tokens / lp: (depth, K), best first) adds only the children the grammar allows, and
-    wherever the grammar forces a run of tokens that run is added at once as certain nodes
-    (the parent's log-probability: accepted whenever the parent is), the drafter's candidates
-    continuing below it at their own depths. `branching` 1 makes it a chain (the DFlash round
-    under a grammar: the best allowed candidate at each depth). No node is deeper than
-    `room`. Returns (tree, candidates pruned); the grammar is left at the emitted tokens."""
-    depth_max, k = lp.shape
-    tok, par, dep, lps, sure = [root], [-1], [0], [0.0], [False]
-    paths: list[list[int]] = [[]]
-    kids = [0]
-    heap: list[tuple[float, int, int]] = []  # (-score, rank, parent)
-    pruned = 0
-
-    def add(t: int, parent: int, score: float, certain: bool) -> int:
-        tok.append(t)
-        par.append(parent)
-        dep.append(dep[parent] + 1)
-        lps.append(score)
-        sure.append(certain)
-        paths.append([*paths[parent], t])
-        kids.append(0)
-        kids[parent] += 1
-        return len(tok) - 1
-
-    def expand(node: int) -> None:
-        if node and tok[node] in grammar.stops:  # nothing follows the end of the answer
-            return
-        grammar.goto(paths[node])
-        for t in grammar.forced(min(budget + 1 - len(tok), room - dep[node])):
-            node = add(t, node, lps[node], True)
-        if dep[node] < min(depth_max, room):
-            heapq.heappush(heap, (-(lps[node] + lp[dep[node], 0]), 0, node))
-
-    expand(0)
-    while heap and len(tok) <= budget:
-        neg, r, parent = heapq.heappop(heap)
-        row = dep[parent]
-        if r + 1 < k:
-            heapq.heappush(heap, (neg + lp[row, r] - lp[row, r + 1], r + 1, parent))
-        if branching is not None and kids[parent] >= branching:
-            continue
-        t = int(tokens[row, r])
-        grammar.goto(paths[parent])
-        if not grammar.allows(t):
-            pruned += 1
-            continue
-        expand(add(t, parent, -neg, False))
-    grammar.goto([])
-    return Tree.of(tok, par, dep, lps, sure).prefix(min(len(tok), budget + 1)), pruned
-
-
 def with_certain_run(tree: Tree, grammar: Grammar, limit: int) -> Tree:
     """`tree` with the grammar's forced run at the root (at most `limit` tokens) grafted as
     certain drafts: for trees built without the grammar (a DFlash 2 lattice, already pruned)
@@ -322,35 +273,3 @@ def prune_tree(tree: Tree, grammar: Grammar) -> tuple[Tree, int]:
     certain = None if tree.certain is None else tree.certain[k]
     out = Tree(tree.tokens[k], parents, tree.depths[k], tree.log_probs[k], certain)
     return out, len(tree.tokens) - len(keep)
-
-
-def grammar_walk(
-    tree: Tree,
-    logits: mx.array,
-    sampling: SamplingParams,
-    rng,
-    grammar: Grammar,
-    masks: list | None = None,
-):
-    """tree.walk with the target's logits masked by the grammar at every node it visits (the
-    only rows whose choice matters): (accepted node path incl. root, bonus token). One mask per
-    visited node; greedy reads the rows' unmasked argmax in one transfer and a row itself only
-    where the mask refuses it. The grammar is left at the emitted tokens (the caller accepts
-    the output).
-    `masks`, when given, receives each visited node's mask (for log-probabilities)."""
-    kids = tree.children()
-    choice = np.array(mx.argmax(logits, axis=-1)) if sampling.greedy else None
-    path: list[int] = [0]
-    while True:
-        cur = path[-1]
-        mask = grammar.mask()
-        if masks is not None:
-            masks.append(mask)
-        argmax = None if choice is None else int(choice[cur])
-        x = grammar.pick(logits[cur], argmax, sampling, rng, mask)
-        nxt = kids[cur].get(x)
-        if nxt is None or x in grammar.stops:  # the answer ends: it is the bonus token
-            grammar.goto([])
-            return path, x
-        grammar.push(x)
-        path.append(nxt)

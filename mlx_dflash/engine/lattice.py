@@ -18,7 +18,6 @@ HumanEval and mixed at 4-16 nodes, -0.03 to -0.08 on GSM8K, the drafter's home s
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,9 +25,9 @@ import mlx.core as mx
 import numpy as np
 
 from .device import on_cpu
-from .grammar import Grammar, prune_tree, with_certain_run
+from .grammar import Grammar, with_certain_run
 from .sampling import SamplingParams
-from .tree import Tree
+from .tree import Tree, best_first
 
 
 @dataclass
@@ -117,7 +116,7 @@ class LatticeDrafts:
         return self.lattice.sample(sampling.temperature, key, self.logits.shape[-1])
 
     def tree(self, root: int, budget: int, branching: int, temperature: float) -> Tree:
-        return lattice_tree(root, self.lattice, budget, branching, temperature)
+        return lattice_tree(root, self.lattice, budget, branching, temperature)[0]
 
     def constrained_tree(
         self,
@@ -129,24 +128,27 @@ class LatticeDrafts:
         room: int,
         cut: Callable[[Tree], Tree],
     ) -> tuple[Tree, int]:
-        """The lattice's tree with what the grammar forbids pruned, cut, and its forced run at
-        the root."""
+        """The lattice's tree of what the grammar allows, cut, and its forced run at the root."""
         k = min(branching or budget, budget)
-        tree, pruned = prune_tree(self.tree(root, budget, k, temperature), grammar)
+        tree, pruned = lattice_tree(root, self.lattice, budget, k, temperature, grammar)
         return with_certain_run(cut(tree), grammar, min(room, budget)), pruned
 
 
 def lattice_tree(
-    root: int, lattice: Lattice, budget: int, branching: int | None = None, temperature: float = 1.0
-) -> Tree:
-    """Best-first over the lattice's paths: the `budget` most probable prefixes under the
-    selector's chain distribution (log softmax(score / T) along the path, normalised with the
-    logits' mass off the candidates when the lattice has its logits), parents first, at most
-    `branching` children a node.
-
-    Each node remembers its candidate index; its children are the next position's candidates
-    in the order of `pairs[depth][index]`. As in tree.build_tree, every pop is a node and
-    pushes its next sibling and its best child, so the heap stays small.
+    root: int,
+    lattice: Lattice,
+    budget: int,
+    branching: int | None = None,
+    temperature: float = 1.0,
+    grammar: Grammar | None = None,
+) -> tuple[Tree, int]:
+    """Best-first over the lattice's paths (tree.best_first): the `budget` most probable
+    prefixes under the selector's chain distribution (log softmax(score / T) along the path,
+    normalised with the logits' mass off the candidates when the lattice has its logits),
+    parents first, at most `branching` children a node. A node's state is its candidate index;
+    its children are the next position's candidates in the order of `pairs[depth][index]`.
+    Under a grammar, only what it allows (its forced runs are the caller's: a forced token has
+    no candidate index to continue from). Returns (tree, candidates the grammar refused).
     """
     cand = np.array(lattice.cand)
     n, k = cand.shape
@@ -159,33 +161,16 @@ def lattice_tree(
     first_order = np.argsort(-first_lp, kind="stable")
     pairs_order = np.argsort(-pairs_lp, axis=-1, kind="stable")
 
-    def child(depth: int, parent_idx: int, rank: int) -> tuple[int, float]:
-        """(candidate index, log-prob) of the rank-th best child at `depth` of a parent that
-        holds candidate `parent_idx` at depth - 1 (the anchor for depth 0)."""
+    def child(depth: int, parent_idx: int | None, rank: int) -> tuple[int, float, int]:
+        """The rank-th best child at `depth` of a parent holding candidate `parent_idx` at
+        depth - 1 (None: the anchor, at depth 0): (token, log-prob, its candidate index)."""
         if depth == 0:
             j = int(first_order[rank])
-            return j, float(first_lp[j])
+            return int(cand[0, j]), float(first_lp[j]), j
         j = int(pairs_order[depth - 1, parent_idx, rank])
-        return j, float(pairs_lp[depth - 1, parent_idx, j])
+        return int(cand[depth, j]), float(pairs_lp[depth - 1, parent_idx, j]), j
 
-    out_tok, out_par, out_dep, out_lp, out_idx = [root], [-1], [0], [0.0], [-1]
-    heap: list[tuple[float, int, int, int]] = []  # (-path log-prob, depth, rank, parent node)
-    if n and budget > 0:
-        heap.append((-child(0, -1, 0)[1], 0, 0, 0))
-    while heap and len(out_tok) <= budget:
-        neg, d, r, parent = heapq.heappop(heap)
-        j, lp = child(d, out_idx[parent], r)
-        node = len(out_tok)
-        out_tok.append(int(cand[d, j]))
-        out_par.append(parent)
-        out_dep.append(d + 1)
-        out_lp.append(-neg)
-        out_idx.append(j)
-        if r + 1 < k:
-            heapq.heappush(heap, (neg + lp - child(d, out_idx[parent], r + 1)[1], d, r + 1, parent))
-        if d + 1 < n:
-            heapq.heappush(heap, (neg - child(d + 1, j, 0)[1], d + 1, 0, node))
-    return Tree.of(out_tok, out_par, out_dep, out_lp)
+    return best_first(root, child, n, k, budget, grammar, runs=False)
 
 
 def _log_softmax(x: np.ndarray, off) -> np.ndarray:

@@ -4,8 +4,8 @@ the engine asks both the same three things (engine/contract.py Proposal).
 
 - chain: each position's argmax (greedy), or a draw from it with that q (sampling);
 - tree: DDTree's best-first expansion over each position's top candidates (docs/ddtree.md);
-- under a grammar: the same heap over a few more candidates a depth, adding only what the
-  grammar allows and its forced runs (engine/grammar.py grammar_tree).
+- under a grammar: the same heap over a few more candidates a depth, the grammar its filter:
+  only what it allows, and its forced runs as certain nodes (tree.best_first).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .grammar import Grammar, grammar_tree
+from .grammar import Grammar
 from .sampling import SamplingParams, device_probs
-from .tree import Tree, build_tree, top_candidates
+from .tree import Tree, best_first, build_tree, marginal_child, top_candidates
 
 GRAMMAR_CANDIDATES = 8  # per depth, for a chain under a grammar (drafts it forbids are skipped)
 
@@ -48,5 +48,7 @@ class Marginals:
     ) -> tuple[Tree, int]:
         k = min(max(min(branching or budget, budget), GRAMMAR_CANDIDATES), budget)
         cand_tok, cand_lp = top_candidates(self.logits, k)
-        tree, pruned = grammar_tree(root, cand_tok, cand_lp, budget, grammar, room, branching)
+        depth, width = cand_lp.shape
+        child = marginal_child(cand_tok, cand_lp)
+        tree, pruned = best_first(root, child, depth, width, budget, grammar, room, branching)
         return cut(tree), pruned

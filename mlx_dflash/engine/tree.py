@@ -10,13 +10,18 @@ smaller budget, which is what `--budget auto` trades against measured verify cos
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
 
 from .device import on_cpu
-from .sampling import draw, token_probs
+from .sampling import SamplingParams, draw, token_probs
+
+if TYPE_CHECKING:
+    from .grammar import Grammar
 
 
 @dataclass
@@ -136,26 +141,102 @@ def _top_on_device(logits: mx.array, k: int) -> tuple[np.ndarray, np.ndarray]:
     )
 
 
-def build_tree(root: int, tokens: np.ndarray, lp: np.ndarray, budget: int) -> Tree:
-    """Best-first heap over ranks: the `budget` most probable prefixes, parents first.
+Child = Callable[[int, Any, int], tuple[int, float, Any]]
 
-    tokens/lp: (depth, K) candidate tokens and log-probs per depth, sorted best first.
+
+def best_first(
+    root: int,
+    child: Child,
+    depth: int,
+    width: int,
+    budget: int,
+    grammar: Grammar | None = None,
+    room: int | None = None,
+    branching: int | None = None,
+    runs: bool = True,
+) -> tuple[Tree, int]:
+    """The one best-first heap every draft tree grows by: the `budget` most probable prefixes,
+    parents first; every pop is a node and pushes its next sibling and its best child.
+
+    child(d, state, r): the r-th best candidate (r < width) at depth d under a parent holding
+    candidate `state` (None at the root and after a forced token): (token, log-prob, state).
+    grammar, an allow-filter: a candidate it refuses on its path is skipped and counted; its
+    forced runs follow at once as certain nodes at their parent's log-prob (`runs`), nothing
+    follows the answer's end. branching: drafted children a node at most; room: the deepest
+    node. Returns (tree, candidates refused); the grammar is left at the emitted tokens.
     """
-    depth_max, k = lp.shape
-    out_tok, out_par, out_dep, out_lp = [root], [-1], [0], [0.0]
-    heap = [(-lp[0, 0], 0, 0, 0)] if depth_max and budget > 0 else []  # (-score, d, r, parent)
-    while heap and len(out_tok) <= budget:
+    room = budget if room is None else room
+    limit = min(depth, room)
+    nodes = _Nodes(root, paths=grammar is not None)
+    heap: list[tuple[float, int, int, int]] = []  # (-path log-prob, depth, rank, parent)
+    refused = 0
+
+    def open_(node: int) -> None:
+        """Add the grammar's forced run after `node`, then push its best child."""
+        dep, lps = nodes.dep, nodes.lps
+        if grammar is not None:
+            run = grammar.run_after(nodes.paths[node], min(budget + 1 - len(dep), room - dep[node]))
+            if run is None:
+                return
+            for t in run if runs else ():
+                node = nodes.add(t, node, lps[node], None, True)
+        if dep[node] < limit and budget > 0:
+            lp = child(dep[node], nodes.state[node], 0)[1]
+            heapq.heappush(heap, (-lps[node] - lp, dep[node], 0, node))
+
+    open_(0)
+    while heap and len(nodes.dep) <= budget:
         neg, d, r, parent = heapq.heappop(heap)
-        node = len(out_tok)
-        out_tok.append(int(tokens[d, r]))
-        out_par.append(parent)
-        out_dep.append(d + 1)
-        out_lp.append(-neg)
-        if r + 1 < k:
-            heapq.heappush(heap, (neg + lp[d, r] - lp[d, r + 1], d, r + 1, parent))
-        if d + 1 < depth_max:
-            heapq.heappush(heap, (neg - lp[d + 1, 0], d + 1, 0, node))
-    return Tree.of(out_tok, out_par, out_dep, out_lp)
+        t, lp, st = child(d, nodes.state[parent], r)
+        if r + 1 < width:
+            lp_next = child(d, nodes.state[parent], r + 1)[1]
+            heapq.heappush(heap, (neg + lp - lp_next, d, r + 1, parent))
+        if branching is not None and nodes.kids[parent] >= branching:
+            continue
+        if grammar is not None and not grammar.allowed(nodes.paths[parent], t):
+            refused += 1
+            continue
+        open_(nodes.add(t, parent, -neg, st, False))
+    if grammar is not None:
+        grammar.goto([])
+    tree = Tree.of(nodes.tok, nodes.par, nodes.dep, nodes.lps, nodes.sure if grammar else None)
+    return tree.prefix(min(len(nodes.tok), budget + 1)), refused
+
+
+class _Nodes:
+    """best_first's nodes as parallel lists, in creation order (index 0: the root)."""
+
+    def __init__(self, root: int, paths: bool):
+        self.tok, self.par, self.dep, self.lps = [root], [-1], [0], [0.0]
+        self.state: list[Any] = [None]
+        self.sure, self.kids = [False], [0]
+        self.paths: list[list[int]] = [[]]  # each node's tokens from the root (for a grammar)
+        self.keep_paths = paths
+
+    def add(self, t: int, parent: int, score: float, state: Any, certain: bool) -> int:
+        self.tok.append(t)
+        self.par.append(parent)
+        self.dep.append(self.dep[parent] + 1)
+        self.lps.append(score)
+        self.state.append(state)
+        self.sure.append(certain)
+        self.kids.append(0)
+        self.kids[parent] += 1
+        if self.keep_paths:
+            self.paths.append([*self.paths[parent], t])
+        return len(self.tok) - 1
+
+
+def build_tree(root: int, tokens: np.ndarray, lp: np.ndarray, budget: int) -> Tree:
+    """DDTree's tree over independent marginals: tokens/lp (depth, K) candidate tokens and
+    log-probs per depth, sorted best first."""
+    return best_first(root, marginal_child(tokens, lp), lp.shape[0], lp.shape[1], budget)[0]
+
+
+def marginal_child(tokens: np.ndarray, lp: np.ndarray) -> Child:
+    """best_first's candidates from per-depth marginals (the parent's state does not matter)."""
+    toks, lps = tokens.tolist(), lp.tolist()
+    return lambda d, _state, r: (toks[d][r], lps[d][r], None)
 
 
 def expected_tokens(tree: Tree, calibration: float = 1.0) -> np.ndarray:
@@ -167,26 +248,43 @@ def expected_tokens(tree: Tree, calibration: float = 1.0) -> np.ndarray:
     return 1.0 + np.concatenate([[0.0], np.cumsum(p)])
 
 
-def walk(tree: Tree, logits: mx.array, sampling, rng) -> tuple[list[int], int]:
+def walk(
+    tree: Tree,
+    logits: mx.array,
+    sampling: SamplingParams,
+    rng,
+    grammar: Grammar | None = None,
+    masks: list | None = None,
+) -> tuple[list[int], int]:
     """Follow the target through the tree; return (accepted node path incl. root, bonus token).
 
     Greedy follows the argmax. Sampling draws one token from the target at each visited node
     and moves to the child holding it: every emitted token is a target sample (lossless).
+    Under a grammar the target's row is masked at every node visited (the only rows whose
+    choice matters): greedy reads the rows' unmasked argmax in one transfer and a row itself
+    only where the mask refuses it; the answer's end is always the bonus token. The grammar is
+    left at the emitted tokens. `masks`, when given, receives each visited node's mask.
     """
     kids = tree.children()
+    choice = np.array(mx.argmax(logits, axis=-1)) if sampling.greedy else None
     path = [0]
-    if sampling.greedy:
-        choice = np.array(mx.argmax(logits, axis=-1))
-        while True:
-            nxt = kids[path[-1]].get(int(choice[path[-1]]))
-            if nxt is None:
-                return path, int(choice[path[-1]])
-            path.append(nxt)
     while True:
         cur = path[-1]
-        # Transform only the rows the walk visits.
-        x = draw(token_probs(logits[cur : cur + 1], sampling)[0], rng)
+        if grammar is not None:
+            mask = grammar.mask()
+            if masks is not None:
+                masks.append(mask)
+            argmax = None if choice is None else int(choice[cur])
+            x = grammar.pick(logits[cur], argmax, sampling, rng, mask)
+        elif choice is not None:
+            x = int(choice[cur])
+        else:  # transform only the rows the walk visits
+            x = draw(token_probs(logits[cur : cur + 1], sampling)[0], rng)
         nxt = kids[cur].get(x)
-        if nxt is None:
+        if nxt is None or (grammar is not None and x in grammar.stops):
+            if grammar is not None:
+                grammar.goto([])
             return path, x
+        if grammar is not None:
+            grammar.push(x)
         path.append(nxt)
