@@ -257,3 +257,25 @@ def test_prefill_step_size_changes_the_chunks_not_the_text(run_cli):
     assert json.loads(small)["text"] == json.loads(out)["text"]
     with pytest.raises(DFlashError, match="prefill step must be at least 1"):
         GenerationConfig(prefill_chunk=0)
+
+
+def test_help_groups_the_flags_in_panels(run_cli, monkeypatch):
+    """Issue 51: generate --help was one flat panel of 116 lines at 80 columns, --mode showed
+    as <str>, -d meant --dequantize in convert, and the command list cut summaries mid-line."""
+    from mlx_dflash import cli
+
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, _ = run_cli("generate", "--help")
+    assert code == 0
+    panels = [line.split("─ ")[1].split(" ─")[0] for line in out.splitlines() if "╭─ " in line]
+    assert panels == ["Options", "Prompt", "Model", "Speculation", "Sampling",
+                      "Structured output", "Output"]  # fmt: skip
+    assert "[ddtree|dflash|lookup|ar]" in out and "<str>" not in out
+    assert len(out.splitlines()) < 100
+    _, out, _ = run_cli("convert", "--help")
+    assert "-d " not in out and "--dequantize" in out  # -d: --drafter, everywhere
+    for command in cli.app.registered_commands:  # each summary is one whole sentence
+        summary = command.help.split("\n\n")[0]
+        assert "\n" not in summary and summary.endswith("."), command.name
+    _, out, _ = run_cli("--help")
+    assert "whether this build runs each." in out

@@ -5,6 +5,7 @@ Every user mistake surfaces as a DFlashError, printed here as one sentence with 
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import typer
@@ -40,17 +41,27 @@ def _options(
     """Lossless DFlash / DDTree speculative decoding for MLX."""
 
 
+def _help(command) -> str:
+    """A command's docstring as help: each paragraph one line, for the terminal to wrap (the
+    first paragraph is the summary `dflash-mlx --help` lists)."""
+    paragraphs = inspect.cleandoc(command.__doc__ or "").split("\n\n")
+    return "\n\n".join(" ".join(p.split()) for p in paragraphs)
+
+
 def _register() -> None:
     from . import bench, chat, convert, doctor, generate, models, serve, train
 
-    app.command("generate", help=generate.generate_command.__doc__)(generate.generate_command)
-    app.command("chat", help=chat.chat_command.__doc__)(chat.chat_command)
-    app.command("bench", help=bench.bench_command.__doc__)(bench.bench_command)
-    app.command("convert", help=convert.convert_command.__doc__)(convert.convert_command)
-    app.command("doctor", help=doctor.doctor_command.__doc__)(doctor.doctor_command)
-    app.command("models", help=models.models_command.__doc__)(models.models_command)
-    app.command("train", help=train.train_command.__doc__)(train.train_command)
-    app.command("serve", help=serve.serve_command.__doc__)(serve.serve_command)
+    for name, command in (
+        ("generate", generate.generate_command),
+        ("chat", chat.chat_command),
+        ("bench", bench.bench_command),
+        ("convert", convert.convert_command),
+        ("doctor", doctor.doctor_command),
+        ("models", models.models_command),
+        ("train", train.train_command),
+        ("serve", serve.serve_command),
+    ):
+        app.command(name, help=_help(command))(command)
 
 
 _register()

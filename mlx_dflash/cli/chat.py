@@ -210,20 +210,28 @@ def banner(model: str | None, runner, cfg) -> str:
 def chat_command(
     model: str = opts.MODEL,
     drafter: str = opts.DRAFTER,
-    max_tokens: int = typer.Option(512, "--max-tokens", "-n", min=1, help="Per answer."),
-    temp: float = opts.TEMP,
-    top_p: float = opts.TOP_P,
-    top_k: int = opts.TOP_K,
-    seed: int = opts.SEED,
+    chat_template: bool = opts.CHAT_TEMPLATE,
+    system: str = opts.SYSTEM,
+    thinking: bool = opts.THINKING,
+    prefill_step_size: int = opts.PREFILL,
     mode: str = opts.MODE,
     block_size: int = opts.BLOCK_SIZE,
     budget: str = opts.BUDGET,
     lookup: int = opts.LOOKUP,
     lookup_corpus: str = opts.LOOKUP_CORPUS,
-    prefill_step_size: int = opts.PREFILL,
-    chat_template: bool = opts.CHAT_TEMPLATE,
-    system: str = opts.SYSTEM,
-    thinking: bool = opts.THINKING,
+    temp: float = opts.TEMP,
+    top_p: float = opts.TOP_P,
+    top_k: int = opts.TOP_K,
+    seed: int = opts.SEED,
+    max_tokens: int = typer.Option(
+        512,
+        "--max-tokens",
+        "-n",
+        min=1,
+        metavar="N",
+        help="Per answer.",
+        rich_help_panel=opts.OUTPUT,
+    ),  # fmt: skip
 ) -> None:
     """Chat with a model in the terminal (/help for commands); scriptable through stdin."""
     from .. import distributed

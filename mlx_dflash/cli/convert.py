@@ -38,7 +38,7 @@ def convert_command(
     ),
     force: bool = typer.Option(False, "--force", help="Replace an existing output folder."),
     dequantize: bool = typer.Option(
-        False, "--dequantize", "-d", help="Dequantize a quantized target (float32 on the CPU)."
+        False, "--dequantize", help="Dequantize a quantized target (float32 on the CPU)."
     ),
 ) -> None:
     """Convert a Hugging Face checkpoint (target or DFlash drafter) to an MLX folder."""

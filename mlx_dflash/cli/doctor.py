@@ -136,7 +136,9 @@ def pairs_summary() -> dict[str, str]:
 
 
 def doctor_command(model: str = opts.MODEL, drafter: str = opts.DRAFTER) -> None:
-    """Print platform, MLX / mlx-lm versions, device, BLAS with measured GFLOP/s, active kernels,
+    """Check this machine and the pair that would run, and say what to do next.
+
+    Platform, versions, memory and disk, device, BLAS with measured GFLOP/s, active kernels,
     the model pair that would run (which drafter kind: DFlash or DFlash 2), and how many
     published pairs this build runs."""
     table = Table(show_header=False, box=None)

@@ -14,33 +14,64 @@ from ..engine.choice import describe
 from ..prompts import encode_prompt, stop_ids, use_template
 from . import options as opts
 
+PROMPT, OUT = "Prompt", opts.OUTPUT
+
 
 def generate_command(
-    prompt: str = typer.Option(None, "--prompt", "-p", help="Prompt text, or '-' to read stdin."),
-    prompt_file: str = typer.Option(None, "--prompt-file", help="Read the prompt from a file."),
+    prompt: str = typer.Option(
+        None,
+        "--prompt",
+        "-p",
+        metavar="TEXT",
+        help="Prompt text, or '-' to read stdin.",
+        rich_help_panel=PROMPT,
+    ),
+    prompt_file: str = typer.Option(
+        None,
+        "--prompt-file",
+        metavar="FILE",
+        help="Read the prompt from a file.",
+        rich_help_panel=PROMPT,
+    ),
     model: str = opts.MODEL,
     drafter: str = opts.DRAFTER,
-    max_tokens: int = typer.Option(256, "--max-tokens", "-n", min=1),
-    temp: float = opts.TEMP,
-    top_p: float = opts.TOP_P,
-    top_k: int = opts.TOP_K,
-    seed: int = opts.SEED,
+    chat_template: bool = opts.CHAT_TEMPLATE,
+    system: str = opts.SYSTEM,
+    thinking: bool = opts.THINKING,
+    prefill_step_size: int = opts.PREFILL,
     mode: str = opts.MODE,
     block_size: int = opts.BLOCK_SIZE,
     budget: str = opts.BUDGET,
     lookup: int = opts.LOOKUP,
     lookup_corpus: str = opts.LOOKUP_CORPUS,
-    prefill_step_size: int = opts.PREFILL,
-    chat_template: bool = opts.CHAT_TEMPLATE,
-    system: str = opts.SYSTEM,
-    thinking: bool = opts.THINKING,
+    temp: float = opts.TEMP,
+    top_p: float = opts.TOP_P,
+    top_k: int = opts.TOP_K,
+    seed: int = opts.SEED,
     json_schema: str = opts.JSON_SCHEMA,
     regex: str = opts.REGEX,
     lark: str = opts.LARK,
-    as_json: bool = typer.Option(False, "--json", help="Print text and stats as one JSON object."),
-    quiet_stats: bool = typer.Option(False, "--no-stats", help="Do not print the stats line."),
+    max_tokens: int = typer.Option(
+        256,
+        "--max-tokens",
+        "-n",
+        min=1,
+        metavar="N",
+        help="Tokens to generate at most.",
+        rich_help_panel=OUT,
+    ),
     extra_eos: list[str] = typer.Option(
-        [], "--extra-eos-token", help="A token (text or id) that also ends the answer; repeatable."
+        [],
+        "--extra-eos-token",
+        metavar="TOKEN",
+        help="A token (text or id) that also ends the answer; repeatable.",
+        rich_help_panel=OUT,
+    ),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print text and stats as one JSON object.", rich_help_panel=OUT
+    ),
+    quiet_stats: bool = typer.Option(
+        False, "--no-stats", help="Do not print the stats line.", rich_help_panel=OUT
     ),
 ) -> None:
     """Generate text with DFlash / DDTree speculative decoding (or plain decoding: --mode ar)."""

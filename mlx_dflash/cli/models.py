@@ -14,8 +14,10 @@ from rich.table import Table
 def models_command(
     as_json: bool = typer.Option(False, "--json", help="Print the pairs as one JSON list."),
 ) -> None:
-    """List the published DFlash pairs (target, drafter, kind) and whether this build runs each,
-    with the loader's reason where it does not."""
+    """List the published DFlash pairs and whether this build runs each.
+
+    Per pair: the target, its drafter (and kind), and the loader's reason where this build
+    does not run it."""
     from ..checkpoints.registry import support_rows
 
     rows = support_rows()

@@ -15,74 +15,133 @@ from ..engine.choice import default_mode
 from ..engine.session import speculates
 from ..errors import DFlashError
 
+# Help panels (`--help` groups the flags under these titles).
+MODEL_PANEL, SPECULATION, SAMPLING, STRUCTURED, OUTPUT = (
+    "Model",
+    "Speculation",
+    "Sampling",
+    "Structured output",
+    "Output",
+)
+MODES = ("ddtree", "dflash", "lookup", "ar")
+
+
+def panel(title: str, *options) -> None:
+    """Put these options under one title in `--help` (for commands with many)."""
+    for option in options:
+        option.rich_help_panel = title
+
+
 MODEL = typer.Option(
-    None, "--model", "-m", help="Target folder or hub id (default: embedded stories260K)."
+    None,
+    "--model",
+    "-m",
+    metavar="PATH|ID",
+    help="Target folder or hub id (default: embedded stories260K).",
+    rich_help_panel=MODEL_PANEL,
 )
 DRAFTER = typer.Option(
-    None, "--drafter", "-d", help="DFlash drafter folder or hub id (found for known targets)."
+    None,
+    "--drafter",
+    "-d",
+    metavar="PATH|ID",
+    help="DFlash drafter folder or hub id (found for known targets).",
+    rich_help_panel=MODEL_PANEL,
 )
-TEMP = typer.Option(0.0, "--temp", min=0.0, help="0 = greedy.")
-TOP_P = typer.Option(1.0, "--top-p", min=0.0, max=1.0)
-TOP_K = typer.Option(0, "--top-k", min=0)
-SEED = typer.Option(None, "--seed")
+TEMP = typer.Option(
+    0.0, "--temp", min=0.0, metavar="T", help="0 = greedy.", rich_help_panel=SAMPLING
+)
+TOP_P = typer.Option(1.0, "--top-p", min=0.0, max=1.0, metavar="P", rich_help_panel=SAMPLING)
+TOP_K = typer.Option(0, "--top-k", min=0, metavar="K", help="0 = off.", rich_help_panel=SAMPLING)
+SEED = typer.Option(None, "--seed", metavar="N", rich_help_panel=SAMPLING)
 MODE = typer.Option(
     None,
     "--mode",
-    help="ddtree | dflash | lookup | ar. ddtree: draft trees with prompt-lookup branches; "
-    "dflash: z-lab's chain; lookup: prompt lookup alone (no drafter); ar: plain decoding. "
-    "Default: ddtree, or lookup where no drafter is known, or ar where this machine's verify "
-    "costs as many plain steps as it has tokens (measured once).",
+    metavar="[" + "|".join(MODES) + "]",
+    help="ddtree: draft trees + lookup; dflash: z-lab's chain; lookup: no drafter; ar: "
+    "plain. Default: ddtree, or what this pair and machine can run (said in one line).",
+    rich_help_panel=SPECULATION,
 )
-BLOCK_SIZE = typer.Option(None, "--block-size", help="At most the drafter's.")
+BLOCK_SIZE = typer.Option(
+    None,
+    "--block-size",
+    metavar="N",
+    help="Draft block, at most the drafter's.",
+    rich_help_panel=SPECULATION,
+)
 BUDGET = typer.Option(
     None,
     "--budget",
-    help="Tokens verified after the root each round (a number), or 'auto': sized every round "
-    "from the measured verify cost. Default: auto (--mode dflash: the drafter's whole block).",
+    metavar="N|auto",
+    help="Tokens verified each round, or 'auto': sized every round from the measured verify "
+    "cost. Default: auto (--mode dflash: the whole block).",
+    rich_help_panel=SPECULATION,
 )
 CHAT_TEMPLATE = typer.Option(
-    None, "--chat-template/--no-chat-template", help="Default: use it when the model has one."
+    None,
+    "--chat-template/--no-chat-template",
+    help="Default: use it when the model has one.",
+    rich_help_panel=MODEL_PANEL,
 )
 PREFILL = typer.Option(
-    512, "--prefill-step-size", min=1, help="Prompt tokens a prefill chunk takes (mlx-lm's flag)."
+    512,
+    "--prefill-step-size",
+    min=1,
+    metavar="N",
+    help="Prompt tokens a prefill chunk takes.",
+    rich_help_panel=MODEL_PANEL,
 )
 SYSTEM = typer.Option(
-    None, "--system", "--system-prompt", help="System message (chat template; mlx-lm's name too)."
+    None,
+    "--system",
+    "--system-prompt",
+    metavar="TEXT",
+    help="System message (through the chat template).",
+    rich_help_panel=MODEL_PANEL,
 )
 THINKING = typer.Option(
     None,
     "--thinking/--no-thinking",
-    help="Thinking models (Qwen3, Qwen3.5): switch thinking on or off in the chat template "
-    "(default: the template's own default).",
+    help="Thinking models (Qwen3, Qwen3.5): thinking on or off (default: the template's).",
+    rich_help_panel=MODEL_PANEL,
 )
 LOOKUP = typer.Option(
     None,
     "--lookup",
     min=0,
-    help="Prompt lookup: up to N tokens copied from earlier text join the tree "
-    "(ddtree: default 10 with --budget auto, which cuts branches that do not pay; 0 with a "
-    "fixed budget) or are the draft (--mode lookup; default 10).",
+    metavar="N",
+    help="Up to N tokens copied from earlier text join the tree (the draft under --mode "
+    "lookup). Default: 10 (0 under a fixed --budget).",
+    rich_help_panel=SPECULATION,
 )
 LOOKUP_CORPUS = typer.Option(
     None,
     "--lookup-corpus",
-    help='JSONL of the target\'s past answers ({"tokens": [...]} a line, as `train` writes '
-    "them; .gz too): where the text has no match, their continuations join the lookup "
-    "branches (docs/lookup.md). Default: the drafter's own, where it ships one; 'none': off. "
-    "serve adds each answer it serves (in memory; --keep-answers keeps them).",
+    metavar="FILE|none",
+    help="The target's past answers, JSONL, for lookup (docs/lookup.md). Default: the "
+    "drafter's own, where it ships one.",
+    rich_help_panel=SPECULATION,
 )
-
-
 JSON_SCHEMA = typer.Option(
     None,
     "--json-schema",
-    help="Structured output: the answer is JSON valid under this schema file.",
+    metavar="FILE",
+    help="The answer is JSON valid under this schema.",
+    rich_help_panel=STRUCTURED,
 )
-REGEX = typer.Option(None, "--regex", help="Structured output: the answer matches this regex.")
+REGEX = typer.Option(
+    None,
+    "--regex",
+    metavar="REGEX",
+    help="The answer matches this regex.",
+    rich_help_panel=STRUCTURED,
+)
 LARK = typer.Option(
     None,
     "--lark",
-    help="Structured output: the answer follows this Lark grammar file (llguidance).",
+    metavar="FILE",
+    help="The answer follows this Lark grammar (llguidance).",
+    rich_help_panel=STRUCTURED,
 )
 
 

@@ -11,12 +11,14 @@ from ..engine.choice import describe
 from ..errors import DFlashError
 from . import options as opts
 
+SERVER = "Server"
 MAX_BATCH = typer.Option(
     8,
     "--max-batch",
     min=1,
     help="Requests whose rounds share each target forward (1: one at a time). 8: on a "
     "2-core CPU, throughput still grew from 4 to 8 (docs/batching.md).",
+    rich_help_panel=SERVER,
 )
 KEEP_ANSWERS = typer.Option(
     None,
@@ -24,49 +26,79 @@ KEEP_ANSWERS = typer.Option(
     help="A file where the answers that join the lookup corpus are kept (created if new, "
     "readable only by you) and read back at start, so what the server learned in earlier "
     "sessions survives a restart. It holds the served answers, as token ids.",
+    rich_help_panel=opts.SPECULATION,
 )
 
 
 def serve_command(
     model: str = opts.MODEL,
     drafter: str = opts.DRAFTER,
-    host: str = typer.Option(
-        "127.0.0.1", "--host", help="Address to bind (0.0.0.0 exposes the server to the network)."
-    ),
-    port: int = typer.Option(8080, "--port", min=0, max=65535, help="0: any free port."),
-    mode: str = opts.MODE,
-    block_size: int = opts.BLOCK_SIZE,
-    budget: str = opts.BUDGET,
-    lookup: int = opts.LOOKUP,
-    lookup_corpus: str = opts.LOOKUP_CORPUS,
-    prefill_step_size: int = opts.PREFILL,
-    temp: float = opts.TEMP,
-    top_p: float = opts.TOP_P,
-    top_k: int = opts.TOP_K,
-    max_tokens: int = typer.Option(
-        512, "--max-tokens", "-n", min=1, help="Answer length when a request does not say."
-    ),
-    api_key: str = typer.Option(
-        None, "--api-key", envvar="DFLASH_MLX_API_KEY", help="Require 'Authorization: Bearer KEY'."
-    ),
     thinking: bool = typer.Option(
         None,
         "--thinking/--no-thinking",
         help="Default enable_thinking for chat templates that have the switch (requests may "
         "override it with chat_template_kwargs).",
+        rich_help_panel=opts.MODEL_PANEL,
+    ),
+    prefill_step_size: int = opts.PREFILL,
+    mode: str = opts.MODE,
+    block_size: int = opts.BLOCK_SIZE,
+    budget: str = opts.BUDGET,
+    lookup: int = opts.LOOKUP,
+    lookup_corpus: str = opts.LOOKUP_CORPUS,
+    keep_answers: Path = KEEP_ANSWERS,
+    temp: float = opts.TEMP,
+    top_p: float = opts.TOP_P,
+    top_k: int = opts.TOP_K,
+    max_tokens: int = typer.Option(
+        512,
+        "--max-tokens",
+        "-n",
+        min=1,
+        metavar="N",
+        help="Answer length when a request does not say.",
+        rich_help_panel=opts.OUTPUT,
+    ),
+    host: str = typer.Option(
+        "127.0.0.1",
+        "--host",
+        help="Address to bind (0.0.0.0 exposes the server to the network).",
+        rich_help_panel=SERVER,
+    ),
+    port: int = typer.Option(
+        8080, "--port", min=0, max=65535, help="0: any free port.", rich_help_panel=SERVER
+    ),
+    api_key: str = typer.Option(
+        None,
+        "--api-key",
+        envvar="DFLASH_MLX_API_KEY",
+        help="Require 'Authorization: Bearer KEY'.",
+        rich_help_panel=SERVER,
     ),
     name: str = typer.Option(
-        None, "--served-model-name", help="Model id clients use (default: the model's name)."
-    ),
-    cache_mb: int = typer.Option(
-        2048, "--prefix-cache-mb", min=0, help="Memory for cached prompt prefixes."
-    ),
-    cache_sessions: int = typer.Option(
-        8, "--prefix-cache-sessions", min=1, help="Cached prompt prefixes kept at most."
+        None,
+        "--served-model-name",
+        help="Model id clients use (default: the model's name).",
+        rich_help_panel=SERVER,
     ),
     max_batch: int = MAX_BATCH,
-    keep_answers: Path = KEEP_ANSWERS,
-    verbose: bool = typer.Option(False, "--verbose", help="Log every request."),
+    cache_mb: int = typer.Option(
+        2048,
+        "--prefix-cache-mb",
+        min=0,
+        help="Memory for cached prompt prefixes.",
+        rich_help_panel=SERVER,
+    ),
+    cache_sessions: int = typer.Option(
+        8,
+        "--prefix-cache-sessions",
+        min=1,
+        help="Cached prompt prefixes kept at most.",
+        rich_help_panel=SERVER,
+    ),
+    verbose: bool = typer.Option(
+        False, "--verbose", help="Log every request.", rich_help_panel=SERVER
+    ),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, messages)."""
     from .. import distributed

@@ -24,6 +24,7 @@ from ..training.trainer import (
     new_drafter_config,
     prepare_prompts,
 )
+from .options import panel
 
 
 def _parse_ints(s: str | None) -> list[int] | None:
@@ -146,6 +147,20 @@ EVAL_SET = typer.Option(
 )
 DEQUANTIZE = typer.Option(True, "--dequantize/--keep-quantized")
 SEED = typer.Option(0, "--seed")
+
+panel("Target and data", MODEL, DATA, OUT, NUM_PROMPTS, STORY_WORDS, ANSWERS, DEQUANTIZE)
+panel("Answers", GEN_TEMPS, GEN_MAX_TOKENS, GEN_BATCH, GEN_ONLY, GEN, CACHE_TAPS)
+panel(
+    "Drafter",
+    LAYERS, INTERMEDIATE_SIZE, HEADS, WINDOW, TAPS, BLOCK_SIZE, MASK_TOKEN_ID, INIT, ARCH,
+    SELECTOR_RANK, SELECTOR_TOP_K, PRECONDITION,
+)  # fmt: skip
+panel(
+    "Optimisation",
+    STEPS, LR, WARMUP, BATCH, ANCHORS, GAMMA, MAX_LEN, CLIP, LOSS_VOCAB, NEGATIVES, KL_WEIGHT,
+    SEED, RESUME,
+)  # fmt: skip
+panel("Evaluation and checkpoints", EVAL_EVERY, EVAL_PROMPTS, EVAL_TOKENS, EVAL_SET, SAVE_EVERY)
 
 
 def train_command(
