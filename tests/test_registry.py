@@ -305,7 +305,33 @@ def test_models_command_lists_every_pair(run_cli):
         row = next((ln for ln in lines if p.target in ln and p.drafter in ln), None)
         assert row is not None, f"{p.target} -> {p.drafter} is not listed"
         assert p.kind in row
-        assert ("refused" in row) == (refusal(p) is not None), row
+        assert ("no: " in row) == (refusal(p) is not None), row
+
+
+def test_models_reads_at_80_columns():
+    """Issue 51: at 80 columns the table squeezed "runs here" to nothing and cut the ids. Below
+    130 columns each pair is a block: every id whole, the loader's reason, the size of the
+    target's weights and, where it runs, the command."""
+    from rich.console import Console
+
+    from mlx_dflash.checkpoints.registry import support_rows, weights_gb
+    from mlx_dflash.cli.models import render
+
+    console = Console(width=80, record=True, force_terminal=False)
+    console.print(render(support_rows(), 80))
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    for p in PAIRS:
+        assert p.target in text and p.drafter in text
+        why = refusal(p)
+        if why is None:
+            assert f"dflash-mlx chat -m {p.target}" in text
+        else:
+            assert " ".join(why.split()[:4]) in " ".join(text.split())
+    assert "8B: 4.5 GB at 4-bit, 8.5 at 8-bit" in text  # Qwen3-8B, from its id
+    assert "1T (32B active)" in text  # Kimi, from PARAMS
+    assert weights_gb(8, None) == 16 and weights_gb(8, 4) == 4.5  # bf16; 4 bits + a fp16 scale
+    assert weights_gb(8, 4, 32) == 5.0  # and bias per 64 (or 32) weights
 
 
 def test_models_json_is_the_computed_support(run_cli, monkeypatch):
@@ -322,6 +348,9 @@ def test_models_json_is_the_computed_support(run_cli, monkeypatch):
     for r, p in zip(rows, PAIRS, strict=True):
         assert r["runs"] == (refusal(p) is None) and r["refused"] == refusal(p)
         assert r["default"] == p.default and r["model_type"] == p.model_type
+        assert (r["command"] is None) == (refusal(p) is not None)
+    qwen3 = next(r for r in rows if r["target"] == "Qwen/Qwen3-8B")
+    assert qwen3["weights_gb"] == {"bf16": 16.0, "8bit": 8.5, "4bit": 4.5}
 
     monkeypatch.delitem(target.ARCHITECTURES, "qwen3_5")
     rows = json.loads(run_cli("models", "--json")[1])
@@ -330,7 +359,7 @@ def test_models_json_is_the_computed_support(run_cli, monkeypatch):
     assert all(r["runs"] for r in rows if r["model_type"] == "qwen3")
     out = run_cli("models")[1]
     row = next(ln for ln in out.splitlines() if "z-lab/Qwen3.5-4B-DFlash" in ln)
-    assert "refused" in row and "qwen3_5" in out
+    assert "no: " in row and "qwen3_5" in out
 
 
 @pytest.mark.parametrize(

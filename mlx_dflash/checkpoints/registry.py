@@ -236,12 +236,56 @@ def refusal(pair: Pair) -> str | None:
     return None
 
 
-def support_rows() -> list[dict[str, str | bool | None]]:
-    """Every published pair with whether it runs here: what `dflash-mlx models` and `doctor`
-    print."""
-    rows: list[dict[str, str | bool | None]] = []
+# Parameters (billions: total, active) of the targets whose id does not say them, from their
+# publishers' model cards; the rest are read from the id ("30B-A3B"). Unknown: no size shown.
+PARAMS: dict[str, tuple[float, float | None]] = {
+    "Qwen/Qwen3-Coder-Next": (80.0, 3.0),
+    "openai/gpt-oss-20b": (21.0, 3.6),
+    "openai/gpt-oss-120b": (117.0, 5.1),
+    "MiniMaxAI/MiniMax-M2.5": (230.0, 10.0),
+    "MiniMaxAI/MiniMax-M2.7": (230.0, 10.0),
+    "zai-org/GLM-5.1": (744.0, 40.0),
+    "moonshotai/Kimi-K2.5": (1040.0, 32.0),
+    "moonshotai/Kimi-K2.6": (1040.0, 32.0),
+    "moonshotai/Kimi-K2.7-Code": (1040.0, 32.0),
+}
+_SIZE = re.compile(r"(?:^|[-_])(\d+(?:\.\d+)?)[bB](?=$|[-_])")
+_ACTIVE = re.compile(r"[-_][aA](\d+(?:\.\d+)?)[bB](?=$|[-_])")
+
+
+def params(target: str) -> tuple[float, float | None] | None:
+    """(total, active) parameters of a target in billions (active: None where dense), or None
+    where neither its id nor PARAMS says."""
+    if target in PARAMS:
+        return PARAMS[target]
+    name = target.rsplit("/", 1)[-1]
+    total, active = _SIZE.search(name), _ACTIVE.search(name)
+    if total is None:
+        return None
+    return float(total.group(1)), None if active is None else float(active.group(1))
+
+
+def weights_gb(billions: float, bits: int | None, group_size: int = 64) -> float:
+    """Gigabytes of a target's weights: bf16 (bits None), or MLX's affine quantization at
+    `bits` with a float16 scale and bias per group. That is both what a download of such a copy
+    weighs and what the weights take in memory (the KV cache and the drafter come on top)."""
+    bits_per_weight = 16.0 if bits is None else bits + 32 / group_size
+    return billions * bits_per_weight / 8
+
+
+def run_command(pair: Pair) -> str:
+    """The command that chats with this pair (the drafter found for the target by default)."""
+    drafter = "" if pair.default else f" -d {pair.drafter}"
+    return f"dflash-mlx chat -m {pair.target}{drafter}"
+
+
+def support_rows() -> list[dict]:
+    """Every published pair with whether it runs here, its size and the command that runs it:
+    what `dflash-mlx models` and `doctor` print."""
+    rows: list[dict] = []
     for p in PAIRS:
         why = refusal(p)
+        size = params(p.target)
         rows.append(
             {
                 "target": p.target,
@@ -252,6 +296,16 @@ def support_rows() -> list[dict[str, str | bool | None]]:
                 "runs": why is None,
                 "refused": why,
                 "source": p.source,
+                "params_b": None if size is None else size[0],
+                "active_params_b": None if size is None else size[1],
+                "weights_gb": None
+                if size is None
+                else {
+                    "bf16": round(weights_gb(size[0], None), 1),
+                    "8bit": round(weights_gb(size[0], 8), 1),
+                    "4bit": round(weights_gb(size[0], 4), 1),
+                },
+                "command": run_command(p) if why is None else None,
             }
         )
     return rows
