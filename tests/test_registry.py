@@ -420,3 +420,22 @@ def test_readme_published_pairs_match_this_build():
         assert cited or tests == "none yet", tests
         for path, name in cited:
             assert re.search(rf"^def {name}\(", (root / path).read_text(), re.M), (path, name)
+
+
+def test_doctor_says_version_memory_disk_and_the_next_step(run_cli, monkeypatch):
+    """Issue 51: doctor showed neither the package version, the memory nor the free disk, and
+    left the user to guess what to run. The next step fits the machine: the largest published
+    target whose 4-bit weights take at most half of what a Mac's GPU may hold."""
+    from mlx_dflash.cli import doctor
+
+    code, out, err = run_cli("doctor")
+    assert code == 0, err
+    for key in ("dflash-mlx", "memory", "disk", "next step"):
+        assert any(line.strip().startswith(key + " ") for line in out.splitlines()), key
+    assert "GB free for models" in out
+    assert "dflash-mlx generate -p" in doctor.next_step(None, None, blas_ok=True)  # no Metal here
+    assert "libopenblas" in doctor.next_step(None, None, blas_ok=False)
+    assert doctor.next_step("m", "d", True) == "dflash-mlx chat -m m -d d"
+    monkeypatch.setattr(doctor, "memory_bytes", lambda: (16e9, 10.7e9))  # a 16 GB Mac
+    step = doctor.next_step(None, None, blas_ok=True)
+    assert step.startswith("dflash-mlx chat -m Qwen/Qwen3.5-9B") and "5.1 GB" in step, step

@@ -34,6 +34,79 @@ def _version(pkg: str) -> str:
         return "not installed"
 
 
+def memory_bytes() -> tuple[int | None, int | None]:
+    """(this machine's memory, what the GPU may hold: Metal's recommended working set, else
+    None). Either None where the system does not say."""
+    import os
+
+    import mlx.core as mx
+
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = None
+    gpu = None
+    if mx.metal.is_available():
+        try:
+            gpu = int(mx.device_info().get("max_recommended_working_set_size") or 0) or None
+        except Exception:  # noqa: BLE001 - an older MLX without device_info: not shown
+            gpu = None
+    return total, gpu
+
+
+def memory_line() -> str:
+    total, gpu = memory_bytes()
+    if total is None:
+        return "not known"
+    line = f"{total / 1e9:.1f} GB"
+    if gpu is not None:
+        line += f" ({gpu / 1e9:.1f} GB for the GPU: Metal's recommended working set)"
+    return line
+
+
+def disk_line() -> str:
+    """Free space where downloaded models go (the Hugging Face hub cache)."""
+    import shutil
+    from pathlib import Path
+
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    where = Path(HF_HUB_CACHE)
+    existing = where
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        free = shutil.disk_usage(existing).free
+    except OSError:
+        return f"not known ({where})"
+    return f"{free / 1e9:.1f} GB free for models ({where})"
+
+
+def next_step(model: str | None, drafter: str | None, blas_ok: bool) -> str:
+    """The one thing to do next: fix what would make decoding slow, else run something that
+    fits this machine (the largest published target whose 4-bit weights fit in half of what
+    the GPU may hold, on a Mac)."""
+    from ..checkpoints.registry import support_rows
+
+    if not blas_ok:
+        return "sudo apt-get install libopenblas0-pthread (float32 matmul is far slower without)"
+    if model is not None:
+        return f"dflash-mlx chat -m {model}" + (f" -d {drafter}" if drafter else "")
+    room = memory_bytes()[1] or 0  # (on a CPU: nothing published is worth running)
+    fits = [r for r in support_rows() if r["runs"] and r["weights_gb"] and r["default"]
+            and r["weights_gb"]["4bit"] * 1e9 <= room / 2]  # fmt: skip
+    if not fits:
+        return (
+            "dflash-mlx generate -p 'Once upon a time' (the embedded pair), then pick a target "
+            "with dflash-mlx models"
+        )
+    best = max(fits, key=lambda r: r["weights_gb"]["4bit"])
+    return (
+        f"{best['command']} (a 4-bit copy's weights, {best['weights_gb']['4bit']:g} GB, "
+        f"fit this Mac's GPU memory)"
+    )
+
+
 def report() -> dict[str, str]:
     import mlx.core as mx
 
@@ -52,7 +125,10 @@ def report() -> dict[str, str]:
     else:
         blas = "Accelerate" if sys.platform == "darwin" else "bundled"
     return {
+        "dflash-mlx": _version("mlx-dflash"),
         "platform": f"{platform.system()} {platform.machine()}, Python {platform.python_version()}",
+        "memory": memory_line(),
+        "disk": disk_line(),
         "mlx": _version("mlx"),
         "mlx-lm": _version("mlx-lm"),
         "device": f"{mx.default_device()} ({'Metal GPU' if metal else 'CPU only, no Metal'})",
@@ -141,8 +217,15 @@ def doctor_command(model: str = opts.MODEL, drafter: str = opts.DRAFTER) -> None
     Platform, versions, memory and disk, device, BLAS with measured GFLOP/s, active kernels,
     the model pair that would run (which drafter kind: DFlash or DFlash 2), and how many
     published pairs this build runs."""
+    from .. import _blas
+
     table = Table(show_header=False, box=None)
     rows = {**report(), **pair_report(model, drafter), **verify_kernel_report(model)}
-    for k, v in {**rows, **pairs_summary()}.items():
+    blas_ok = not sys.platform.startswith("linux") or bool(_blas.loaded_blas)
+    for k, v in {
+        **rows,
+        **pairs_summary(),
+        "next step": next_step(model, drafter, blas_ok),
+    }.items():
         table.add_row(f"[bold]{k}[/bold]", v)
     Console().print(table)
