@@ -24,12 +24,14 @@ class Conversation:
         system: str | None = None,
         chat_template: bool | None = None,
         thinking: bool | None = None,
+        kv=None,
     ):
         self.tokenizer = target.tokenizer
         self.templated = use_template(self.tokenizer, chat_template)
         self.template_kwargs = thinking_kwargs(self.tokenizer, self.templated, thinking)
         self.cfg = cfg
-        self.session = Session(target, runner if cfg.uses_drafter else None)
+        # kv: a quantized KV cache's settings (--kv-bits; models/cache.py), None: float
+        self.session = Session(target, runner if cfg.uses_drafter else None, kv=kv)
         self.system = system or None
         self.messages: list[dict[str, str]] = []
         self.total = Stats()

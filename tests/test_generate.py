@@ -279,3 +279,17 @@ def test_help_groups_the_flags_in_panels(run_cli, monkeypatch):
         assert "\n" not in summary and summary.endswith("."), command.name
     _, out, _ = run_cli("--help")
     assert "whether this build runs each." in out
+
+
+def test_min_p_one_keeps_only_the_most_probable_token(run_cli):
+    """--min-p (mlx-lm's): at 1.0 only the most probable token survives, so sampling at any
+    temperature is greedy decoding, through every speculative mode."""
+    code, greedy, err = run_cli("generate", "-p", STORY, "-n", "24", "--no-stats")
+    assert code == 0, err
+    for mode in ("ddtree", "dflash"):
+        code, out, err = run_cli("generate", "-p", STORY, "-n", "24", "--no-stats", "--mode",
+                                 mode, "--temp", "1.5", "--min-p", "1.0", "--seed", "3")  # fmt: skip
+        assert code == 0 and out == greedy, (mode, err)
+    code, out, _ = run_cli("generate", "-p", STORY, "-n", "24", "--no-stats", "--temp", "1.5",
+                           "--seed", "3")  # fmt: skip
+    assert out != greedy  # (the same sampling without min-p is not greedy)

@@ -61,20 +61,28 @@ def test_speculative_acceptance_rule_marginals():
 
 
 def test_token_probs_matches_mlx_lm_sampler_support():
-    """top-p / top-k pick the candidate set on the untempered distribution, like mlx-lm."""
-    from mlx_lm.sample_utils import apply_top_k, apply_top_p
+    """top-p / min-p / top-k pick the candidate set on the untempered distribution, in
+    mlx-lm's order."""
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
     logits = mx.array(np.random.default_rng(1).normal(size=(1, V)).astype(np.float32) * 2)
     lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    for top_p, top_k in [(0.8, 0), (1.0, 5), (0.9, 7)]:
+    cases = [(0.8, 0, 0.0, 1), (1.0, 5, 0.0, 1), (0.9, 7, 0.0, 1), (1.0, 0, 0.1, 1),
+             (0.9, 0, 0.05, 1), (1.0, 4, 0.2, 1), (1.0, 0, 0.9, 3)]  # fmt: skip
+    for top_p, top_k, min_p, keep in cases:
         ref = lp
         if top_p < 1:
             ref = apply_top_p(ref, top_p)
+        if min_p:
+            ref = apply_min_p(ref, min_p, keep)
         if top_k:
             ref = apply_top_k(ref, top_k)
         ref_p = np.array(mx.softmax(ref / 0.7, axis=-1))[0]
-        ours = token_probs(logits, SamplingParams(0.7, top_p, top_k))[0]
+        ours = token_probs(logits, SamplingParams(0.7, top_p, top_k, min_p, keep))[0]
         np.testing.assert_allclose(ours, ref_p, atol=1e-6)
+        assert (
+            min_p == 0 or (ours == 0).sum() > (token_probs(logits, SamplingParams(0.7)) == 0).sum()
+        )
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +116,7 @@ def exact_marginals(target, sampling, depth):
         (SamplingParams(1.3, 1.0, 6), "dflash", 0, False),
         (SamplingParams(1.0), "ddtree", 6, False),
         (SamplingParams(0.8, 0.95, 8), "ddtree", 3, False),
+        (SamplingParams(1.0, min_p=0.15), "ddtree", 6, False),
         # q is zero outside the draft vocabulary: those tokens come only from the residual.
         (SamplingParams(1.0), "dflash", 0, True),
         (SamplingParams(1.0), "ddtree", 6, True),

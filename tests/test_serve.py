@@ -648,3 +648,13 @@ def test_logprobs_equal_plain_decodings(client, served):
     assert plain.choices[0].logprobs is None
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, top_logprobs=2)
+
+
+def test_min_p_in_a_request(client, served):
+    """min_p (mlx_lm.server's request field): 1.0 keeps only the most probable token."""
+    greedy = client.completions.create(model="tiny", prompt=QUESTION, max_tokens=16).choices[0]
+    hot = client.completions.create(model="tiny", prompt=QUESTION, max_tokens=16, temperature=1.5,
+                                    seed=4, extra_body={"min_p": 1.0}).choices[0]  # fmt: skip
+    assert hot.text == greedy.text
+    status, body = post(served[1], "/v1/completions", {"model": "tiny", "prompt": "x", "min_p": 2})
+    assert status == 400 and "min_p" in json.dumps(body)

@@ -214,6 +214,9 @@ def chat_command(
     system: str = opts.SYSTEM,
     thinking: bool = opts.THINKING,
     prefill_step_size: int = opts.PREFILL,
+    kv_bits: int = opts.KV_BITS,
+    kv_group_size: int = opts.KV_GROUP_SIZE,
+    quantized_kv_start: int = opts.QUANTIZED_KV_START,
     mode: str = opts.MODE,
     block_size: int = opts.BLOCK_SIZE,
     budget: str = opts.BUDGET,
@@ -222,6 +225,8 @@ def chat_command(
     temp: float = opts.TEMP,
     top_p: float = opts.TOP_P,
     top_k: int = opts.TOP_K,
+    min_p: float = opts.MIN_P,
+    min_tokens_to_keep: int = opts.MIN_TOKENS_TO_KEEP,
     seed: int = opts.SEED,
     max_tokens: int = typer.Option(
         512,
@@ -237,11 +242,13 @@ def chat_command(
     from .. import distributed
 
     flags = opts.Flags(max_tokens, temp, top_p, top_k, seed, mode, block_size, budget,
-                       lookup, lookup_corpus, prefill=prefill_step_size)  # fmt: skip
+                       lookup, lookup_corpus, prefill=prefill_step_size, min_p=min_p,
+                       min_keep=min_tokens_to_keep)  # fmt: skip
+    kv = opts.kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     world = distributed.init()  # several ranks under mlx.launch: a sharded target
     target, runner, cfg = opts.load_settled(flags, model, drafter, world)
     cfg = dataclasses.replace(cfg, stop_ids=stop_ids(target.tokenizer))
-    chat = Conversation(target, runner, cfg, system, chat_template, thinking)
+    chat = Conversation(target, runner, cfg, system, chat_template, thinking, kv=kv)
     io = SharedIO(RichIO() if sys.stdin.isatty() and sys.stdout.isatty() else PlainIO(), world)
     if isinstance(io.io, RichIO):
         io.notice(f"{banner(model, runner, cfg)} - /help for commands, /exit to quit")

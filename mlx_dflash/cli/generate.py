@@ -39,6 +39,9 @@ def generate_command(
     system: str = opts.SYSTEM,
     thinking: bool = opts.THINKING,
     prefill_step_size: int = opts.PREFILL,
+    kv_bits: int = opts.KV_BITS,
+    kv_group_size: int = opts.KV_GROUP_SIZE,
+    quantized_kv_start: int = opts.QUANTIZED_KV_START,
     mode: str = opts.MODE,
     block_size: int = opts.BLOCK_SIZE,
     budget: str = opts.BUDGET,
@@ -47,6 +50,8 @@ def generate_command(
     temp: float = opts.TEMP,
     top_p: float = opts.TOP_P,
     top_k: int = opts.TOP_K,
+    min_p: float = opts.MIN_P,
+    min_tokens_to_keep: int = opts.MIN_TOKENS_TO_KEEP,
     seed: int = opts.SEED,
     json_schema: str = opts.JSON_SCHEMA,
     regex: str = opts.REGEX,
@@ -77,8 +82,10 @@ def generate_command(
     """Generate text with DFlash / DDTree speculative decoding (or plain decoding: --mode ar)."""
     prompt = opts.read_prompt(prompt, prompt_file)
     flags = opts.Flags(max_tokens, temp, top_p, top_k, seed, mode, block_size, budget,
-                       lookup, lookup_corpus, prefill=prefill_step_size)  # fmt: skip
+                       lookup, lookup_corpus, prefill=prefill_step_size, min_p=min_p,
+                       min_keep=min_tokens_to_keep)  # fmt: skip
     grammar = opts.grammar_spec(json_schema, regex, lark)
+    kv = opts.kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     flags.config()  # every flag checked before any model loads
     world = distributed.init()  # several ranks under mlx.launch: a sharded target
     target, runner, cfg = opts.load_settled(flags, model, drafter, world)
@@ -92,7 +99,7 @@ def generate_command(
     for note in notes:
         if note and world.is_main:
             typer.echo(note, err=True)
-    session = Session(target, runner if cfg.uses_drafter else None)
+    session = Session(target, runner if cfg.uses_drafter else None, kv=kv)
     stats, text = Stats(), []  # (stats: the last chunk's running totals)
     for chunk in stream_generate(session, ids, cfg):
         stats = chunk.stats

@@ -54,6 +54,19 @@ TEMP = typer.Option(
 TOP_P = typer.Option(1.0, "--top-p", min=0.0, max=1.0, metavar="P", rich_help_panel=SAMPLING)
 TOP_K = typer.Option(0, "--top-k", min=0, metavar="K", help="0 = off.", rich_help_panel=SAMPLING)
 SEED = typer.Option(None, "--seed", metavar="N", rich_help_panel=SAMPLING)
+MIN_P = typer.Option(
+    0.0,
+    "--min-p",
+    min=0.0,
+    max=1.0,
+    metavar="P",
+    help="Drop tokens less probable than P times the most probable (0 = off).",
+    rich_help_panel=SAMPLING,
+)
+MIN_TOKENS_TO_KEEP = typer.Option(
+    1, "--min-tokens-to-keep", min=1, metavar="N", help="What --min-p keeps at least.",
+    rich_help_panel=SAMPLING,
+)  # fmt: skip
 MODE = typer.Option(
     None,
     "--mode",
@@ -122,6 +135,33 @@ LOOKUP_CORPUS = typer.Option(
     "drafter's own, where it ships one.",
     rich_help_panel=SPECULATION,
 )
+KV_BITS = typer.Option(
+    None,
+    "--kv-bits",
+    metavar="BITS",
+    help="Hold the KV cache quantized at this many bits (mlx-lm's flag; 4 or 8 usually).",
+    rich_help_panel=MODEL_PANEL,
+)
+KV_GROUP_SIZE = typer.Option(
+    64, "--kv-group-size", metavar="N", help="Group size of --kv-bits.", rich_help_panel=MODEL_PANEL
+)
+QUANTIZED_KV_START = typer.Option(
+    5000,
+    "--quantized-kv-start",
+    metavar="N",
+    help="Quantize the KV cache once the context holds N tokens (--kv-bits).",
+    rich_help_panel=MODEL_PANEL,
+)
+
+
+def kv_quantization(bits: int | None, group_size: int, start: int):
+    """--kv-bits and its two companions as the cache takes them (None: a float cache),
+    checked before any model loads."""
+    from ..models.cache import KVQuantization
+
+    return None if bits is None else KVQuantization(bits, group_size, start)
+
+
 JSON_SCHEMA = typer.Option(
     None,
     "--json-schema",
@@ -186,6 +226,8 @@ class Flags:
     lookup: int | None = None
     corpus: str | None = None
     prefill: int = 512  # --prefill-step-size
+    min_p: float = 0.0
+    min_keep: int = 1  # --min-tokens-to-keep
 
     def config(self, mode: str | None = None) -> GenerationConfig:
         """The settings for `mode` (the typed one, else the default's DDTree), checked; a
@@ -195,7 +237,7 @@ class Flags:
         corpus = "" if self.corpus == "none" else self.corpus  # "": none, not the drafter's
         cfg = GenerationConfig(
             max_tokens=self.max_tokens,
-            sampling=SamplingParams(self.temp, self.top_p, self.top_k),
+            sampling=SamplingParams(self.temp, self.top_p, self.top_k, self.min_p, self.min_keep),
             seed=self.seed,
             mode=mode or self.mode or "ddtree",
             block_size=self.block_size,

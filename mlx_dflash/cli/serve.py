@@ -41,6 +41,9 @@ def serve_command(
         rich_help_panel=opts.MODEL_PANEL,
     ),
     prefill_step_size: int = opts.PREFILL,
+    kv_bits: int = opts.KV_BITS,
+    kv_group_size: int = opts.KV_GROUP_SIZE,
+    quantized_kv_start: int = opts.QUANTIZED_KV_START,
     mode: str = opts.MODE,
     block_size: int = opts.BLOCK_SIZE,
     budget: str = opts.BUDGET,
@@ -50,6 +53,8 @@ def serve_command(
     temp: float = opts.TEMP,
     top_p: float = opts.TOP_P,
     top_k: int = opts.TOP_K,
+    min_p: float = opts.MIN_P,
+    min_tokens_to_keep: int = opts.MIN_TOKENS_TO_KEEP,
     max_tokens: int = typer.Option(
         512,
         "--max-tokens",
@@ -106,16 +111,20 @@ def serve_command(
     from ..server.http import make_server
 
     flags = opts.Flags(max_tokens, temp, top_p, top_k, None, mode, block_size, budget,
-                       lookup, lookup_corpus, prefill=prefill_step_size)  # fmt: skip
+                       lookup, lookup_corpus, prefill=prefill_step_size, min_p=min_p,
+                       min_keep=min_tokens_to_keep)  # fmt: skip
+    kv = opts.kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     world = distributed.init()  # several ranks under mlx.launch: rank 0 serves HTTP
     # (cfg: the engine config every request starts from)
     target, runner, cfg = opts.load_settled(flags, model, drafter, world)
+    if kv is not None:
+        target.make_cache(kv)  # a target it does not apply to stops here, not at a request
     served = name or (Path(model).name if model else "stories260K")
     aliases = tuple(a for a in (model, Path(model).name if model else None) if a)
     keep = str(keep_answers) if keep_answers else None
     config = ServerConfig(model_name=served, aliases=aliases, api_key=api_key,
                           max_tokens=max_tokens, thinking=thinking, cache_bytes=cache_mb * 2**20,
-                          cache_sessions=cache_sessions, max_batch=max_batch, keep_answers=keep)  # fmt: skip
+                          cache_sessions=cache_sessions, max_batch=max_batch, keep_answers=keep, kv=kv)  # fmt: skip
     app = App(target, runner if cfg.uses_drafter else None, cfg, config, world)
     if not world.is_main:
         return app.worker.follow(app.base)

@@ -261,8 +261,8 @@ class BatchedTarget:
     def forward_paths(self) -> str:
         return self._target.forward_paths
 
-    def make_cache(self) -> list:
-        return self._target.make_cache()
+    def make_cache(self, kv=None) -> list:
+        return self._target.make_cache() if kv is None else self._target.make_cache(kv)
 
     def new_arena(self):
         return None  # the batch's own arena is the Batcher's

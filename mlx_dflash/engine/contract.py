@@ -213,8 +213,8 @@ class TargetModel(Protocol):
         choice does not price another, so the profile's cache name includes it."""
         ...
 
-    def make_cache(self) -> list[Any]:
-        """One Cache per layer."""
+    def make_cache(self, kv: Any = None) -> list[Any]:
+        """One Cache per layer (kv: a quantized KV cache's settings, models/cache.py)."""
         ...
 
     def new_arena(self) -> Any:

@@ -38,8 +38,7 @@ def prefill(session: Session, prompt: list[int], cfg: GenerationConfig) -> tuple
     target, drafter = session.target, session.drafter
     new = session.rewind(prompt)
     logits = None
-    for i in range(0, len(new), cfg.prefill_chunk):
-        chunk = new[i : i + cfg.prefill_chunk]
+    for chunk in prefill_chunks(new, cfg.prefill_chunk, session.kv is not None):
         logits, taps = target.forward(
             mx.array(chunk),
             session.cache,
@@ -55,6 +54,14 @@ def prefill(session: Session, prompt: list[int], cfg: GenerationConfig) -> tuple
     dt = time.perf_counter() - t0
     assert logits is not None  # rewind leaves at least one prompt token to run
     return logits, Round([], 0, 0, prefill=True, prefill_tokens=len(new), t_prefill=dt)
+
+
+def prefill_chunks(new: list[int], size: int, last_alone: bool) -> list[list[int]]:
+    """The prompt's forwards: chunks of `size`; with `last_alone`, mlx-lm's: chunks of all but
+    the last token, then the last one alone, which is where a quantized KV cache's forwards
+    begin (models/cache.py QuantizedKVCache), so its output is mlx-lm's token for token."""
+    body, tail = (new[:-1], new[-1:]) if last_alone else (new, [])
+    return [body[i : i + size] for i in range(0, len(body), size)] + ([tail] if tail else [])
 
 
 def token_logprobs(logits: mx.array, rows, tokens: list[int], k: int, masks=None):

@@ -1,8 +1,8 @@
 """Token distributions and lossless acceptance rules (docs/dflash.md, docs/ddtree.md).
 
 The transform follows mlx-lm's sampler so that our output is distributed exactly like
-`mlx_lm.generate` with the same settings: top-p, then top-k, select the candidate set on the
-untempered distribution, then the temperature reshapes the survivors.
+`mlx_lm.generate` with the same settings: top-p, then min-p, then top-k select the candidate
+set on the untempered distribution, then the temperature reshapes the survivors.
 """
 
 from __future__ import annotations
@@ -18,6 +18,10 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    # min-p (mlx-lm's): drop tokens less probable than min_p times the most probable one,
+    # keeping at least min_tokens_to_keep
+    min_p: float = 0.0
+    min_tokens_to_keep: int = 1
 
     @property
     def greedy(self) -> bool:
@@ -42,6 +46,12 @@ def device_probs(logits: mx.array, params: SamplingParams) -> mx.array:
         dropped = (mass_above >= params.top_p * total).sum(axis=-1, keepdims=True)
         threshold = mx.take_along_axis(sorted_lp, dropped, axis=-1)
         logprobs = mx.where(logprobs < threshold, -mx.inf, logprobs)
+    if params.min_p > 0:
+        floor = logprobs.max(axis=-1, keepdims=True) + float(np.log(params.min_p))
+        keep = max(1, params.min_tokens_to_keep)
+        if keep > 1:  # the keep-th most probable survives whatever min-p says
+            floor = mx.minimum(floor, mx.sort(logprobs, axis=-1)[..., -keep][..., None])
+        logprobs = mx.where(logprobs < floor, -mx.inf, logprobs)
     if params.top_k > 0 and params.top_k < logprobs.shape[-1]:
         kth = mx.sort(logprobs, axis=-1)[..., -params.top_k][..., None]
         logprobs = mx.where(logprobs < kth, -mx.inf, logprobs)

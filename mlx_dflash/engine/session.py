@@ -5,7 +5,7 @@ they hold. docs/dflash.md has the conventions (slot 0, positions, cache commit).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -14,6 +14,9 @@ from .contract import Drafter, TargetModel
 from .corpus import AnswerCorpus
 from .grammar import GrammarSpec
 from .sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from ..models.cache import KVQuantization
 
 MODES = ("dflash", "ddtree", "lookup", "ar")
 DEFAULT_LOOKUP = 10  # tokens per prompt-lookup branch, when --mode lookup is not told
@@ -172,13 +175,17 @@ class Session:
     that moves them back. A Session is not thread-safe: one generation at a time runs on it.
     """
 
-    def __init__(self, target: TargetModel, drafter: Drafter | None = None):
+    def __init__(
+        self, target: TargetModel, drafter: Drafter | None = None, kv: KVQuantization | None = None
+    ):
         self.target = target
         self.drafter = drafter
         # A target sharded over several processes (mlx_dflash/distributed.py) takes host
         # decisions on rank 0 and broadcasts them; an unsharded one holds the local world.
         self.world = target.world
-        self.cache = target.make_cache()
+        # kv: mlx-lm's quantized KV cache (--kv-bits; models/cache.py QuantizedKVCache)
+        self.kv = kv
+        self.cache = target.make_cache() if kv is None else target.make_cache(kv)
         self.tokens: list[int] = []  # tokens whose K/V sit in the target cache
 
     def agree(self, values) -> list[int]:

@@ -15,7 +15,7 @@ import mlx.core as mx
 from ..kernels.cpu_attention import cpu_attention, use_cpu_attention
 from ..kernels.tree_attention import ancestor_mask, tree_attention
 from .arena import SlotCache, plan_forward, step_attention
-from .cache import KVCache
+from .cache import KVCache, QuantizedKVCache
 from .rows import pad_rows
 
 
@@ -132,6 +132,8 @@ def _qkv(attn, spec: AttentionSpec, x, start: int, positions, real: int | None =
 def attend_cached(attn, q, k, v, cache, start, positions, parents, masks, window):
     """Append k, v to the cache and attend q over every key it holds."""
     keys, values = cache.append(k, v)
+    if isinstance(cache, QuantizedKVCache):
+        return _attend_quantized(attn, q, keys, values, cache, start, positions, parents, masks)
     held_from = getattr(cache, "dropped", 0)  # a windowed cache's first held position
     return _attend(attn, q, keys, values, start, positions, parents, masks, window, held_from)
 
@@ -209,6 +211,45 @@ def _attend(attn, q, keys, values, start, positions, parents, masks, window, hel
         masks[prefix] = ancestor_mask(parents, prefix)
     return mx.fast.scaled_dot_product_attention(
         q, keys, values, scale=scale, mask=masks[prefix], sinks=sinks
+    )
+
+
+def _attend_quantized(attn, q, keys, values, cache, start, positions, parents, masks):
+    """Attention over a QuantizedKVCache, as mlx-lm computes it one forward at a time: a
+    forward that starts where the cache is quantized attends over the quantized keys (its own
+    included), one before it in float. A verify's row at position p stands for mlx-lm's step at
+    p, so in a verify that crosses the cache's `start` its rows from `start` on attend over
+    the quantization of every key they see; a prefill chunk (masks["verify"] False) is one
+    forward of mlx-lm's, in float as a whole."""
+    T, quant = q.shape[2], cache.quant
+    if cache.quantized:
+        return _quantized_sdpa(attn, q, keys, values, quant, parents, masks)
+    out = _attend(attn, q, keys, values, start, positions, parents, masks, None, 0)
+    if not masks.get("verify", True) or start + T - 1 < max(quant.start, 1):
+        return out  # no row at or past `start`
+    mixed = _quantized_sdpa(
+        attn, q, cache.quantize(keys), cache.quantize(values), quant, parents, masks
+    )
+    pos = start + mx.arange(T) if positions is None else positions
+    late = (pos >= max(quant.start, 1))[None, None, :, None]
+    return mx.where(late, mixed, out)
+
+
+def _quantized_sdpa(attn, q, keys, values, quant, parents, masks) -> mx.array:
+    """mlx-lm's quantized_scaled_dot_product_attention, with the causal or tree mask."""
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+    T = q.shape[2]
+    mask = None
+    if parents is not None:
+        prefix = keys[0].shape[2] - T
+        if prefix not in masks:
+            masks[prefix] = ancestor_mask(parents, prefix)
+        mask = masks[prefix]
+    elif T > 1:
+        mask = "causal"
+    return quantized_scaled_dot_product_attention(
+        q, keys, values, _scale(attn), mask, group_size=quant.group_size, bits=quant.bits
     )
 
 

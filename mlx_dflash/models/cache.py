@@ -7,9 +7,12 @@ window (`compact`). Storage grows in steps so appends rarely reallocate.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
+
+from ..errors import DFlashError
 
 
 class KVCache:
@@ -124,6 +127,112 @@ class WindowedKVCache(KVCache):
 
     def compact(self, start: int, keep: mx.array | list[int]) -> None:
         super().compact(start - self.dropped, keep)
+
+
+@dataclass(frozen=True)
+class KVQuantization:
+    """mlx-lm's --kv-bits, --kv-group-size and --quantized-kv-start: a layer's keys and values
+    are held quantized (MLX's affine quantization along the head dimension) once the context
+    reaches `start` tokens."""
+
+    bits: int
+    group_size: int = 64
+    start: int = 5000  # mlx-lm's DEFAULT_QUANTIZED_KV_START
+
+    def __post_init__(self):
+        if self.bits not in (2, 3, 4, 5, 6, 8):
+            raise DFlashError(f"--kv-bits must be 2, 3, 4, 5, 6 or 8, not {self.bits}.")
+        if self.group_size not in (32, 64, 128):
+            raise DFlashError(f"--kv-group-size must be 32, 64 or 128, not {self.group_size}.")
+        if self.start < 0:
+            raise DFlashError(f"--quantized-kv-start must be >= 0, not {self.start}.")
+
+
+class QuantizedKVCache(KVCache):
+    """An attention layer's keys and values as mlx-lm's QuantizedKVCache holds them, under
+    verify and rewind.
+
+    mlx-lm quantizes a layer's cache after a forward that leaves it holding `start` tokens or
+    more; every later forward quantizes its own keys and values before attending over the whole
+    quantized cache. Here the float rows are kept until the first append at or past `start`
+    (the next forward, which is the same point), then quantized at once, as mlx-lm's
+    `to_quantized` does. A quantized row is a token's packed words, scales and biases: groups
+    run along the head dimension, so every row is quantized alone, and `trim` and `compact`
+    move or drop whole rows; no group ever mixes a kept token with a rejected one.
+
+    A verify that starts before `start` and reaches past it attends in float over the float
+    rows and, for its rows at positions from `start` on, over their quantization too
+    (models/attention.py: what mlx-lm computes one step at a time)."""
+
+    def __init__(self, quant: KVQuantization) -> None:
+        super().__init__()
+        self.quant = quant
+        self.packed: tuple[list[mx.array], list[mx.array]] | None = None  # (keys, values)
+
+    @property
+    def quantized(self) -> bool:
+        return self.packed is not None
+
+    def quantize(self, x: mx.array) -> list[mx.array]:
+        """(words, scales, biases) of float rows x (..., T, D)."""
+        return list(mx.quantize(x, group_size=self.quant.group_size, bits=self.quant.bits))
+
+    def append(self, keys: mx.array, values: mx.array):
+        """Write new rows after the offset; return every valid row: float (keys, values) before
+        the cache is quantized, else each as its (words, scales, biases)."""
+        if self.packed is None and self.offset >= self.quant.start and self.offset > 0:
+            self._to_quantized()
+        if self.packed is None:
+            return super().append(keys, values)
+        n = keys.shape[2]
+        needed = self.offset + n
+        k_buf, v_buf = self.packed
+        if needed > k_buf[0].shape[2]:
+            grow = ((needed + self.step - 1) // self.step) * self.step - k_buf[0].shape[2]
+            self.packed = k_buf, v_buf = (
+                [_grown(a, grow) for a in k_buf],
+                [_grown(a, grow) for a in v_buf],
+            )
+        for buf, new in ((k_buf, self.quantize(keys)), (v_buf, self.quantize(values))):
+            for a, b in zip(buf, new, strict=True):
+                a[..., self.offset : needed, :] = b
+        self.offset = needed
+        return [a[..., :needed, :] for a in k_buf], [a[..., :needed, :] for a in v_buf]
+
+    def _to_quantized(self) -> None:
+        assert self.keys is not None and self.values is not None
+        self.packed = (self.quantize(self.keys), self.quantize(self.values))
+        self.keys = self.values = None
+
+    def extend(self, keys, values):
+        raise NotImplementedError("a target's cache is never extended")
+
+    def compact(self, start: int, keep: mx.array | list[int]) -> None:
+        if self.packed is None:
+            super().compact(start, keep)
+            return
+        keep = mx.array(keep, dtype=mx.int32) if not isinstance(keep, mx.array) else keep
+        n = keep.shape[0]
+        rows = start + keep
+        for buf in self.packed:
+            for a in buf:
+                a[..., start : start + n, :] = a[..., rows, :]
+        self.offset = start + n
+
+    @property
+    def state_arrays(self) -> list[mx.array]:
+        if self.packed is None:
+            return super().state_arrays
+        return [*self.packed[0], *self.packed[1]]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the cache holds (its whole buffer)."""
+        return sum(a.nbytes for a in self.state_arrays)
+
+
+def _grown(a: mx.array, rows: int) -> mx.array:
+    return mx.concatenate([a, mx.zeros((*a.shape[:2], rows, a.shape[3]), a.dtype)], axis=2)
 
 
 class ContextCache(KVCache):

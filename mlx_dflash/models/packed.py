@@ -52,7 +52,7 @@ def forward_packed(target, passes: list[Pass]) -> list[tuple[mx.array | None, mx
         if p.parents is not None:  # a tree: per-token positions and the parents
             pos = mx.array(p_pos, dtype=mx.int32)
             par = mx.array(p.parents, dtype=mx.int32)
-        rows.append(_Row(a, b, p, pos, par, {}))
+        rows.append(_Row(a, b, p, pos, par, {"verify": p.rewindable}))
         a = b
     positions = mx.array(np.concatenate(every), dtype=mx.int32)
     h = target.embed(mx.concatenate([p.tokens for p in passes])[None])

@@ -25,7 +25,7 @@ from ..kernels import cpu_math
 from ..kernels.tree_attention import tree_depths
 from .arena import KVArena
 from .attention import AttentionSpec, attention
-from .cache import KVCache, WindowedKVCache
+from .cache import KVCache, KVQuantization, QuantizedKVCache, WindowedKVCache
 from .gated_deltanet import RecurrentCache, gdn_forward
 from .gemma4 import gemma4_block, gemma4_project
 from .minimax import minimax_project
@@ -270,10 +270,24 @@ class Target:
                 )
         self.tap_ids = tap_ids
 
-    def make_cache(self) -> list:
+    def make_cache(self, kv: KVQuantization | None = None) -> list:
+        """Every layer's cache; with `kv`, the standard attention layers' are quantized once
+        the context reaches kv.start (mlx-lm's --kv-bits)."""
         if self.stage is not None:
+            if kv is not None:
+                raise DFlashError("A quantized KV cache (--kv-bits) runs on one machine, not "
+                                  "on a target sharded over several.")  # fmt: skip
             return self.stage.make_cache(self)
-        return [self.layer_cache(i) for i in range(self.num_layers)]
+        caches = [self.layer_cache(i, kv) for i in range(self.num_layers)]
+        if kv is not None:
+            t = self.text_config
+            head_dim = int(t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"])
+            if head_dim % kv.group_size:
+                raise DFlashError(
+                    f"--kv-group-size {kv.group_size} does not divide this target's head "
+                    f"dimension of {head_dim} (quantization groups run along it)."
+                )
+        return caches
 
     def new_arena(self) -> KVArena | None:
         """A KV buffer the rows of a batch share (models/arena.py) for the standard attention
@@ -288,12 +302,26 @@ class Target:
         ]
         return KVArena(standard)
 
-    def layer_cache(self, i: int):
-        """Layer i's cache: recurrent state, a window's K/V, or all K/V."""
-        if _is_linear(self.layers[i]):
+    def layer_cache(self, i: int, kv: KVQuantization | None = None):
+        """Layer i's cache: recurrent state, a window's K/V, or all K/V (quantized with `kv`)."""
+        layer = self.layers[i]
+        if _is_linear(layer):
             return RecurrentCache()
         window = self.windows[i]
-        return KVCache() if window is None else WindowedKVCache(window)
+        if kv is None:
+            return KVCache() if window is None else WindowedKVCache(window)
+        why = None
+        if window is not None:
+            why = "sliding-window layers (mlx-lm cannot quantize its rotating cache either)"
+        elif is_mla(layer.self_attn):
+            why = "multi-head latent attention, whose cache holds a latent, not keys and values"
+        elif any(getattr(layer.self_attn, a, None) is not None
+                 for a in ("sinks", "attention_sink_bias")):  # fmt: skip
+            why = "attention sinks"
+        if why is not None:
+            raise DFlashError(f"A quantized KV cache (--kv-bits) does not apply to this "
+                              f"target's {why}.")  # fmt: skip
+        return QuantizedKVCache(kv)
 
     def embed(self, tokens: mx.array) -> mx.array:
         """The first layer's input: the token embeddings and what the family does to them."""
@@ -443,7 +471,9 @@ class Target:
         `real`: how many of the T rows are tokens, the rest row padding (models/rows.py)."""
         real = h.shape[1] if real is None else real
         positions, parents, np_parents = tree
-        masks: dict = {}  # the tree's ancestor mask, built by the first attention layer
+        # The tree's ancestor mask, built by the first attention layer; whether this forward is
+        # a verify (its rows stand for steps of their own: models/attention.py, quantized KV).
+        masks: dict = {"verify": rewindable}
         tapped = {}
         for i in layers:
             layer, c = self.layers[i], cache[i]

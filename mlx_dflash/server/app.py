@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from ..distributed import LOCAL
 from ..engine import GenerationConfig, SamplingParams
@@ -31,6 +32,8 @@ class ServerConfig:
     thinking: bool | None = None  # server-wide enable_thinking (None: the template's default)
     cache_bytes: int = 2 * 2**30
     cache_sessions: int = 8
+    # A quantized KV cache for every session (--kv-bits; models/cache.py KVQuantization)
+    kv: Any = None
     # Generations whose rounds share each target forward (engine/batch.py); 1: one at a time.
     max_batch: int = 1
     # A streamed answer sends an SSE comment after this many idle seconds (a long prefill):
@@ -58,7 +61,7 @@ class App:
         )
         self.mode = base.mode
         served = serving_target(target, world, config.max_batch)
-        pool = SessionPool(served, runner, config.cache_bytes, config.cache_sessions)
+        pool = SessionPool(served, runner, config.cache_bytes, config.cache_sessions, config.kv)
         self.pool = pool
         self.worker = Worker(target, runner, base.mode, pool, world, config.max_batch)
         self.worker.answer_log = log
@@ -126,6 +129,8 @@ class App:
             s.temperature if req.temperature is None else float(req.temperature),
             s.top_p if req.top_p is None else float(req.top_p),
             s.top_k if req.top_k is None else int(req.top_k),
+            s.min_p if req.min_p is None else float(req.min_p),
+            s.min_tokens_to_keep,
         )
         cfg = job_config(self.base, max_tokens=max_tokens, sampling=sampling, seed=req.seed,
                          logprobs=req.logprobs, grammar=self._grammar(req, thinking))  # fmt: skip

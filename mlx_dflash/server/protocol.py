@@ -34,6 +34,7 @@ class Request:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stream: bool = False
@@ -214,6 +215,7 @@ def parse_request(kind: str, body: dict) -> Request:
     req.temperature = _get(body, "temperature", number, None, lambda v: 0 <= v <= 2, "in [0, 2]")
     req.top_p = _get(body, "top_p", number, None, lambda v: 0 < v <= 1, "in (0, 1]")
     req.top_k = _get(body, "top_k", (int,), None, lambda v: v >= 0, "an integer >= 0")
+    req.min_p = _get(body, "min_p", number, None, lambda v: 0 <= v <= 1, "in [0, 1]")
     req.seed = _get(body, "seed", (int,), what="an integer")
     n = _get(body, "n", (int,), 1, what="an integer")
     if n != 1:
