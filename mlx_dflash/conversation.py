@@ -86,6 +86,42 @@ class Conversation:
     def reset(self) -> None:
         self.messages = []
 
+    def save(self, path, model: str) -> int:
+        """Write the conversation and its session's caches to a prompt cache file (chat's
+        /save), for `chat --prompt-cache-file` or `generate --prompt-cache-file` to go on from;
+        the tokens saved."""
+        from . import prompt_cache as pc
+
+        drafter = self.session.drafter
+        folder = getattr(getattr(drafter, "drafter", None), "folder", None)
+        meta = pc.CacheFile(
+            model=model,
+            model_config=str(pc.config_hash(self.session.target.folder)),
+            drafter=None if folder is None else str(folder),
+            drafter_config=pc.config_hash(folder),
+            tokens=[],
+            source="chat",
+            messages=list(self.messages),
+            system=self.system,
+            chat_template=self.templated,
+        )
+        pc.save(path, self.session, meta)
+        return len(self.session.tokens)
+
+    def resume(self, meta, arrays) -> None:
+        """Go on from a prompt cache file chat's /save wrote: its messages, its system message
+        and its caches."""
+        from . import prompt_cache as pc
+        from .errors import DFlashError
+
+        if meta.source != "chat":
+            raise DFlashError(
+                "This prompt cache holds one open prompt (`dflash-mlx cache`): continue it with "
+                "generate --prompt-cache-file; chat reads the files its /save writes."
+            )
+        pc.restore(self.session, meta, arrays, self.session.target.folder)
+        self.messages, self.system = list(meta.messages), meta.system
+
     def turn_line(self, stats: Stats) -> str:
         """The short line after each answer."""
         d = stats.to_dict()

@@ -52,6 +52,41 @@ def render(
     return ids
 
 
+def render_open(
+    tokenizer, text: str, system: str | None = None, templated: bool = True
+) -> list[int]:
+    """A user message left open, for a prompt cache (`dflash-mlx cache`, as mlx-lm's
+    cache_prompt renders it): a later prompt continues it (`continuation`)."""
+    if not text.strip():
+        raise DFlashError("The prompt is empty.")
+    if not templated:
+        return render(tokenizer, [{"role": "user", "content": text}], system, False)
+    msgs = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": text}
+    ]
+    ids = tokenizer.apply_chat_template(
+        msgs, add_generation_prompt=False, continue_final_message=True, tokenize=True
+    )
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+def continuation(tokenizer, prompt: str, templated: bool = True, **template_kwargs) -> list[int]:
+    """The tokens that follow an open user message (`render_open`) with `prompt`: the rest of
+    the message and the generation prompt, found as mlx-lm's generate finds them (the text
+    of the template from where the user's content begins)."""
+    if not prompt.strip():
+        raise DFlashError("The prompt is empty.")
+    if not templated:
+        return list(tokenizer.encode(prompt, add_special_tokens=False))
+    marker = "<query>"
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": marker}], add_generation_prompt=True, tokenize=False,
+        **template_kwargs,
+    )  # fmt: skip
+    rest = text[text.index(marker) :].replace(marker, prompt, 1)
+    return list(tokenizer.encode(rest, add_special_tokens=False))
+
+
 def thinking_kwargs(tokenizer, templated: bool, thinking: bool | None) -> dict:
     """The chat-template switch for thinking models (Qwen3 / Qwen3.5 `enable_thinking`);
     None leaves the template's default."""

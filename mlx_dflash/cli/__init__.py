@@ -49,11 +49,12 @@ def _help(command) -> str:
 
 
 def _register() -> None:
-    from . import bench, chat, convert, doctor, generate, models, serve, train
+    from . import bench, cache, chat, convert, doctor, generate, models, serve, train
 
     for name, command in (
         ("generate", generate.generate_command),
         ("chat", chat.chat_command),
+        ("cache", cache.cache_command),
         ("bench", bench.bench_command),
         ("convert", convert.convert_command),
         ("doctor", doctor.doctor_command),

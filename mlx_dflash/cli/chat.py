@@ -25,6 +25,7 @@ COMMANDS = {
     "/system TEXT": "set the system message (just /system clears it)",
     "/reset": "forget the conversation (the system message stays)",
     "/stats": "totals for this session",
+    "/save FILE": "save the conversation and its caches (chat or generate --prompt-cache-file)",
     "/help": "this list",
     "/exit": "quit (also /quit or Ctrl-D)",
     "line\\": "a line ending in a backslash goes on on the next (a paste is one message)",
@@ -168,7 +169,23 @@ class SharedIO:
             self.io.notice(text)
 
 
-def run_chat(chat: Conversation, io) -> None:
+def save(chat: Conversation, io, path: str, model: str | None) -> None:
+    """/save FILE: the conversation and its caches; a bad path is one line, the chat goes on."""
+    from ..errors import DFlashError
+    from ..paths import DEFAULT_TARGET
+
+    if not path:
+        io.info("Give a file: /save FILE.safetensors")
+        return
+    try:
+        n = chat.save(Path(path).expanduser(), model or str(DEFAULT_TARGET))
+    except DFlashError as e:
+        io.info(f"Not saved: {e}")
+        return
+    io.info(f"Saved {len(chat.messages)} messages, {n} tokens cached, to {path}.")
+
+
+def run_chat(chat: Conversation, io, model: str | None = None) -> None:
     """The read-answer loop shared by terminals and scripts."""
     while True:
         line = io.read()
@@ -189,6 +206,8 @@ def run_chat(chat: Conversation, io) -> None:
             elif cmd == "/system":
                 chat.system = arg.strip() or None
                 io.info(f"System message set: {chat.system}" if chat.system else "System cleared.")
+            elif cmd == "/save":
+                save(chat, io, arg.strip(), model)
             elif cmd == "/help":
                 io.info("\n".join(f"{k:<14} {v}" for k, v in COMMANDS.items()))
             else:
@@ -217,6 +236,7 @@ def chat_command(
     kv_bits: int = opts.KV_BITS,
     kv_group_size: int = opts.KV_GROUP_SIZE,
     quantized_kv_start: int = opts.QUANTIZED_KV_START,
+    prompt_cache_file: str = opts.PROMPT_CACHE_FILE,
     mode: str = opts.MODE,
     block_size: int = opts.BLOCK_SIZE,
     budget: str = opts.BUDGET,
@@ -245,13 +265,20 @@ def chat_command(
                        lookup, lookup_corpus, prefill=prefill_step_size, min_p=min_p,
                        min_keep=min_tokens_to_keep)  # fmt: skip
     kv = opts.kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
+    saved, arrays, model, drafter, kv = opts.read_prompt_cache(
+        prompt_cache_file, model, drafter, kv
+    )
     world = distributed.init()  # several ranks under mlx.launch: a sharded target
     target, runner, cfg = opts.load_settled(flags, model, drafter, world)
     cfg = dataclasses.replace(cfg, stop_ids=stop_ids(target.tokenizer))
     chat = Conversation(target, runner, cfg, system, chat_template, thinking, kv=kv)
+    if saved is not None:
+        chat.resume(saved, arrays)
     io = SharedIO(RichIO() if sys.stdin.isatty() and sys.stdout.isatty() else PlainIO(), world)
     if isinstance(io.io, RichIO):
         io.notice(f"{banner(model, runner, cfg)} - /help for commands, /exit to quit")
     if not chat.templated:
         io.notice("This model has no chat template: turns are joined as plain text.")
-    run_chat(chat, io)
+    if saved is not None:
+        io.notice(f"Resumed {len(chat.messages)} messages ({len(saved.tokens)} tokens cached).")
+    run_chat(chat, io, model)

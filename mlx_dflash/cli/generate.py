@@ -17,6 +17,25 @@ from . import options as opts
 PROMPT, OUT = "Prompt", opts.OUTPUT
 
 
+def cached_prompt(session, saved, arrays, prompt: str, system, thinking) -> list[int]:
+    """The prompt's ids after a prompt cache, the session filled from it: a `cache` file's open
+    message continued with the prompt (mlx-lm's rule), or a chat's messages and the prompt as
+    the next user turn (`--system` and a chat template choice are the file's)."""
+    from ..errors import DFlashError
+    from ..prompt_cache import restore
+    from ..prompts import continuation, render, thinking_kwargs
+
+    if system:
+        raise DFlashError("A prompt cache holds its own system message; drop --system.")
+    restore(session, saved, arrays, session.target.folder)
+    tokenizer, templated = session.target.tokenizer, bool(saved.chat_template)
+    kwargs = thinking_kwargs(tokenizer, templated, thinking)
+    if saved.source == "chat":
+        msgs = [*saved.messages, {"role": "user", "content": prompt}]
+        return render(tokenizer, msgs, saved.system, templated, **kwargs)
+    return list(saved.tokens) + continuation(tokenizer, prompt, templated, **kwargs)
+
+
 def generate_command(
     prompt: str = typer.Option(
         None,
@@ -42,6 +61,7 @@ def generate_command(
     kv_bits: int = opts.KV_BITS,
     kv_group_size: int = opts.KV_GROUP_SIZE,
     quantized_kv_start: int = opts.QUANTIZED_KV_START,
+    prompt_cache_file: str = opts.PROMPT_CACHE_FILE,
     mode: str = opts.MODE,
     block_size: int = opts.BLOCK_SIZE,
     budget: str = opts.BUDGET,
@@ -87,10 +107,17 @@ def generate_command(
     grammar = opts.grammar_spec(json_schema, regex, lark)
     kv = opts.kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     flags.config()  # every flag checked before any model loads
+    saved, arrays, model, drafter, kv = opts.read_prompt_cache(
+        prompt_cache_file, model, drafter, kv
+    )
     world = distributed.init()  # several ranks under mlx.launch: a sharded target
     target, runner, cfg = opts.load_settled(flags, model, drafter, world)
     cfg = dataclasses.replace(cfg, grammar=grammar)
-    ids = encode_prompt(target.tokenizer, prompt, chat_template, system, thinking)
+    session = Session(target, runner if cfg.uses_drafter else None, kv=kv)
+    if saved is None:
+        ids = encode_prompt(target.tokenizer, prompt, chat_template, system, thinking)
+    else:
+        ids = cached_prompt(session, saved, arrays, prompt, system, thinking)
     ends = stop_ids(target.tokenizer) | opts.token_ids(target.tokenizer, extra_eos)
     cfg = dataclasses.replace(cfg, stop_ids=ends)
     notes = [opts.context_note(target, len(ids), cfg.max_tokens)]
@@ -99,7 +126,6 @@ def generate_command(
     for note in notes:
         if note and world.is_main:
             typer.echo(note, err=True)
-    session = Session(target, runner if cfg.uses_drafter else None, kv=kv)
     stats, text = Stats(), []  # (stats: the last chunk's running totals)
     for chunk in stream_generate(session, ids, cfg):
         stats = chunk.stats

@@ -162,6 +162,33 @@ def kv_quantization(bits: int | None, group_size: int, start: int):
     return None if bits is None else KVQuantization(bits, group_size, start)
 
 
+PROMPT_CACHE_FILE = typer.Option(
+    None,
+    "--prompt-cache-file",
+    metavar="FILE",
+    help="Start from a prompt cache (`dflash-mlx cache`, or chat's /save): its model, drafter "
+    "and KV settings unless given.",
+    rich_help_panel=MODEL_PANEL,
+)
+
+
+def read_prompt_cache(path: str | None, model: str | None, drafter: str | None, kv):
+    """(file metadata, arrays, model, drafter, kv): a prompt cache file read, its target and
+    drafter taken where none is given (mlx-lm's rule), and its KV quantization where no
+    --kv-bits is given; (None, None, model, drafter, kv) without a file."""
+    if path is None:
+        return None, None, model, drafter, kv
+    from ..models.cache import KVQuantization
+    from ..prompt_cache import read
+
+    meta, arrays = read(path)
+    if model is None:
+        model, drafter = meta.model, drafter or meta.drafter
+    if kv is None and meta.kv is not None:
+        kv = KVQuantization(**meta.kv)
+    return meta, arrays, model, drafter, kv
+
+
 JSON_SCHEMA = typer.Option(
     None,
     "--json-schema",

@@ -76,6 +76,22 @@ class KVCache:
     def state_arrays(self) -> list[mx.array]:
         return [] if self.keys is None or self.values is None else [self.keys, self.values]
 
+    def saved(self) -> tuple[dict[str, mx.array], dict]:
+        """What a prompt cache file holds of this layer (prompt_cache.py): the valid rows, and
+        the numbers that place them."""
+        arrays = {}
+        if self.keys is not None and self.values is not None:
+            arrays = {"keys": self.keys[..., : self.offset, :],
+                      "values": self.values[..., : self.offset, :]}  # fmt: skip
+        return arrays, {"offset": self.offset, "dropped": getattr(self, "dropped", 0)}
+
+    def restore(self, arrays: dict[str, mx.array], meta: dict) -> None:
+        """This layer as `saved` left it (on a cache made as the saved one was)."""
+        self.keys, self.values = arrays.get("keys"), arrays.get("values")
+        self.offset = int(meta["offset"])
+        if hasattr(self, "dropped"):
+            self.dropped = int(meta["dropped"])
+
 
 class WindowedKVCache(KVCache):
     """A sliding-window layer's keys and values (Gemma 4, gpt-oss, MiMo, Muse Glimmer): only the
@@ -224,6 +240,28 @@ class QuantizedKVCache(KVCache):
         if self.packed is None:
             return super().state_arrays
         return [*self.packed[0], *self.packed[1]]
+
+    def saved(self) -> tuple[dict[str, mx.array], dict]:
+        if self.packed is None:
+            return super().saved()
+        n = self.offset
+        keys, values = self.packed
+        arrays = {f"k{i}": a[..., :n, :] for i, a in enumerate(keys)}
+        arrays.update({f"v{i}": a[..., :n, :] for i, a in enumerate(values)})
+        q = self.quant
+        return arrays, {"offset": n, "bits": q.bits, "group_size": q.group_size}
+
+    def restore(self, arrays: dict[str, mx.array], meta: dict) -> None:
+        if "bits" not in meta:
+            super().restore(arrays, meta)
+            return
+        if (meta["bits"], meta["group_size"]) != (self.quant.bits, self.quant.group_size):
+            raise DFlashError(
+                f"The prompt cache holds keys and values at {meta['bits']} bits, group "
+                f"{meta['group_size']}: give the same --kv-bits and --kv-group-size."
+            )
+        self.packed = ([arrays[f"k{i}"] for i in range(3)], [arrays[f"v{i}"] for i in range(3)])
+        self.offset = int(meta["offset"])
 
     @property
     def nbytes(self) -> int:

@@ -96,6 +96,25 @@ class RecurrentCache:
     def state_arrays(self) -> list[mx.array]:
         return [a for a in (self.conv, self.state) if a is not None]
 
+    def saved(self) -> tuple[dict[str, mx.array], dict]:
+        """What a prompt cache file holds of this layer (prompt_cache.py): the state after the
+        prompt and the snapshot a later turn rewinds to."""
+        if self.pending is not None:
+            raise DFlashError("A recurrent layer is saved between rounds, not inside a verify.")
+        snap = self.snapshot_state or (None, None, -1)
+        named = {"conv": self.conv, "state": self.state, "snap_conv": snap[0],
+                 "snap_state": snap[1]}  # fmt: skip
+        arrays = {k: a for k, a in named.items() if a is not None}
+        return arrays, {"offset": self.offset, "snap_offset": snap[2]}
+
+    def restore(self, arrays: dict[str, mx.array], meta: dict) -> None:
+        self.conv, self.state = arrays.get("conv"), arrays.get("state")
+        self.offset, self.pending = int(meta["offset"]), None
+        snap = int(meta["snap_offset"])
+        self.snapshot_state = None
+        if snap >= 0:
+            self.snapshot_state = (arrays.get("snap_conv"), arrays.get("snap_state"), snap)
+
 
 def _projections(layer, x: mx.array):
     """qkv (conv input), z, b, a for both module layouts (Qwen3.5 split / Qwen3-Next fused)."""

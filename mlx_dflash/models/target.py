@@ -237,6 +237,7 @@ class Target:
         self.verify_kernel: Any = None
         self.tied_head: Any = None
         self._draft_heads: dict[bytes, tuple[mx.array, mx.array]] = {}  # draft_head_rows'
+        self.folder: Path | None = None  # where it was loaded from (load_target)
         self.set_taps(tap_ids)
 
     def rows(self, n: int) -> int:
@@ -555,6 +556,7 @@ def load_target(path: str | Path, lazy: bool = False) -> Target:
             msg = msg[:300] + "..."
         raise DFlashError(f"Could not load the target model from '{path}': {msg}") from None
     target = Target(model, tokenizer, config)
+    target.folder = path
     if not lazy:  # a lazy load is sharded next (distributed.py): no padding there
         target.padding = RowPadding.for_target(target)
         verify_kernel(target)
