@@ -293,3 +293,20 @@ def test_min_p_one_keeps_only_the_most_probable_token(run_cli):
     code, out, _ = run_cli("generate", "-p", STORY, "-n", "24", "--no-stats", "--temp", "1.5",
                            "--seed", "3")  # fmt: skip
     assert out != greedy  # (the same sampling without min-p is not greedy)
+
+
+def test_stop_strings_and_verbose_as_mlx_lm_users_type_them(run_cli):
+    """--stop TEXT ends the answer before the text (repeatable; the earliest wins), in the
+    stream and in --json, with finish "stop"; --verbose False drops the stats line."""
+    code, full, _ = run_cli("generate", "-p", STORY, "-n", "40", "--no-stats")
+    assert code == 0 and "girl" in full and "Lily" in full
+    code, out, err = run_cli("generate", "-p", STORY, "-n", "40", "--stop", "Lily", "--stop",
+                             "girl")  # fmt: skip
+    assert code == 0 and out.rstrip("\n") == full[: full.index("girl")]
+    code, out, _ = run_cli("generate", "-p", STORY, "-n", "40", "--stop", "Lily", "--json")
+    d = json.loads(out)
+    assert d["text"] == full[: full.index("Lily")] and d["finish_reason"] == "stop"
+    code, out, err = run_cli("generate", "-p", STORY, "-n", "8", "--verbose", "False")
+    assert code == 0 and err == ""
+    code, out, err = run_cli("generate", "-p", STORY, "-n", "8", "--verbose", "True")
+    assert code == 0 and "tok/s" in err

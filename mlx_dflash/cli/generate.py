@@ -12,6 +12,7 @@ from .. import distributed
 from ..engine import Session, Stats, stream_generate
 from ..engine.choice import describe
 from ..prompts import encode_prompt, stop_ids, use_template
+from ..server.text import StopStrings
 from . import options as opts
 
 PROMPT, OUT = "Prompt", opts.OUTPUT
@@ -92,6 +93,20 @@ def generate_command(
         help="A token (text or id) that also ends the answer; repeatable.",
         rich_help_panel=OUT,
     ),
+    stop: list[str] = typer.Option(
+        [],
+        "--stop",
+        metavar="TEXT",
+        help="End the answer before this text; repeatable.",
+        rich_help_panel=OUT,
+    ),
+    verbose: str = typer.Option(
+        None,
+        "--verbose",
+        metavar="BOOL",
+        help="mlx-lm's: False drops the stats line (as --no-stats).",
+        rich_help_panel=OUT,
+    ),
     as_json: bool = typer.Option(
         False, "--json", help="Print text and stats as one JSON object.", rich_help_panel=OUT
     ),
@@ -127,13 +142,20 @@ def generate_command(
         if note and world.is_main:
             typer.echo(note, err=True)
     stats, text = Stats(), []  # (stats: the last chunk's running totals)
+    cut = StopStrings(stop)  # (every rank decodes the same text, so all stop at one chunk)
     for chunk in stream_generate(session, ids, cfg):
         stats = chunk.stats
-        text.append(chunk.text)
+        piece, hit = cut.feed(chunk.text)
+        if stats.finish and not hit:
+            piece += cut.flush()
+        text.append(piece)
         world.beat()
         if world.is_main and not as_json:  # only rank 0 prints
-            sys.stdout.write(chunk.text)
+            sys.stdout.write(piece)
             sys.stdout.flush()
+        if hit:
+            stats.finish = "stop"
+            break
     if not world.is_main:
         return
     if as_json:
@@ -151,5 +173,6 @@ def generate_command(
         print(json.dumps({"text": "".join(text), **what, **stats.to_dict(), **extra}))
         return
     sys.stdout.write("\n")
-    if not quiet_stats:
+    quiet = quiet_stats or str(verbose).lower() in ("false", "0", "no", "off")
+    if not quiet:
         print(f"{describe(cfg, runner)} | {stats.line()}", file=sys.stderr)
