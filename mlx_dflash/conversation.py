@@ -25,13 +25,14 @@ class Conversation:
         chat_template: bool | None = None,
         thinking: bool | None = None,
         kv=None,
+        max_kv_size: int | None = None,
     ):
         self.tokenizer = target.tokenizer
         self.templated = use_template(self.tokenizer, chat_template)
         self.template_kwargs = thinking_kwargs(self.tokenizer, self.templated, thinking)
         self.cfg = cfg
-        # kv: a quantized KV cache's settings (--kv-bits; models/cache.py), None: float
-        self.session = Session(target, runner if cfg.uses_drafter else None, kv=kv)
+        # kv, max_kv_size: a quantized or rotating KV cache (--kv-bits, --max-kv-size)
+        self.session = Session(target, runner if cfg.uses_drafter else None, kv, max_kv_size)
         self.system = system or None
         self.messages: list[dict[str, str]] = []
         self.total = Stats()

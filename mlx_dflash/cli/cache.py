@@ -37,6 +37,7 @@ def cache_command(
     chat_template: bool = opts.CHAT_TEMPLATE,
     system: str = opts.SYSTEM,
     prefill_step_size: int = opts.PREFILL,
+    max_kv_size: int = opts.MAX_KV_SIZE,
     kv_bits: int = opts.KV_BITS,
     kv_group_size: int = opts.KV_GROUP_SIZE,
     quantized_kv_start: int = opts.QUANTIZED_KV_START,
@@ -59,7 +60,7 @@ def cache_command(
     templated = use_template(target.tokenizer, chat_template)
     ids = render_open(target.tokenizer, text, system, templated)
     runner = runner if cfg.uses_drafter else None
-    session = Session(target, runner, kv=kv)
+    session = Session(target, runner, kv, max_kv_size)
     t0 = time.perf_counter()
     prefill(session, ids, cfg)
     folder = None if runner is None else runner.drafter.folder

@@ -233,6 +233,7 @@ def chat_command(
     system: str = opts.SYSTEM,
     thinking: bool = opts.THINKING,
     prefill_step_size: int = opts.PREFILL,
+    max_kv_size: int = opts.MAX_KV_SIZE,
     kv_bits: int = opts.KV_BITS,
     kv_group_size: int = opts.KV_GROUP_SIZE,
     quantized_kv_start: int = opts.QUANTIZED_KV_START,
@@ -265,13 +266,13 @@ def chat_command(
                        lookup, lookup_corpus, prefill=prefill_step_size, min_p=min_p,
                        min_keep=min_tokens_to_keep)  # fmt: skip
     kv = opts.kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
-    saved, arrays, model, drafter, kv = opts.read_prompt_cache(
-        prompt_cache_file, model, drafter, kv
+    saved, arrays, model, drafter, kv, max_kv_size = opts.read_prompt_cache(
+        prompt_cache_file, model, drafter, kv, max_kv_size
     )
     world = distributed.init()  # several ranks under mlx.launch: a sharded target
     target, runner, cfg = opts.load_settled(flags, model, drafter, world)
     cfg = dataclasses.replace(cfg, stop_ids=stop_ids(target.tokenizer))
-    chat = Conversation(target, runner, cfg, system, chat_template, thinking, kv=kv)
+    chat = Conversation(target, runner, cfg, system, chat_template, thinking, kv, max_kv_size)
     if saved is not None:
         chat.resume(saved, arrays)
     io = SharedIO(RichIO() if sys.stdin.isatty() and sys.stdout.isatty() else PlainIO(), world)

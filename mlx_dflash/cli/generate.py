@@ -59,6 +59,7 @@ def generate_command(
     system: str = opts.SYSTEM,
     thinking: bool = opts.THINKING,
     prefill_step_size: int = opts.PREFILL,
+    max_kv_size: int = opts.MAX_KV_SIZE,
     kv_bits: int = opts.KV_BITS,
     kv_group_size: int = opts.KV_GROUP_SIZE,
     quantized_kv_start: int = opts.QUANTIZED_KV_START,
@@ -122,13 +123,13 @@ def generate_command(
     grammar = opts.grammar_spec(json_schema, regex, lark)
     kv = opts.kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     flags.config()  # every flag checked before any model loads
-    saved, arrays, model, drafter, kv = opts.read_prompt_cache(
-        prompt_cache_file, model, drafter, kv
+    saved, arrays, model, drafter, kv, max_kv_size = opts.read_prompt_cache(
+        prompt_cache_file, model, drafter, kv, max_kv_size
     )
     world = distributed.init()  # several ranks under mlx.launch: a sharded target
     target, runner, cfg = opts.load_settled(flags, model, drafter, world)
     cfg = dataclasses.replace(cfg, grammar=grammar)
-    session = Session(target, runner if cfg.uses_drafter else None, kv=kv)
+    session = Session(target, runner if cfg.uses_drafter else None, kv, max_kv_size)
     if saved is None:
         ids = encode_prompt(target.tokenizer, prompt, chat_template, system, thinking)
     else:

@@ -142,6 +142,14 @@ KV_BITS = typer.Option(
     help="Hold the KV cache quantized at this many bits (mlx-lm's flag; 4 or 8 usually).",
     rich_help_panel=MODEL_PANEL,
 )
+MAX_KV_SIZE = typer.Option(
+    None,
+    "--max-kv-size",
+    min=5,
+    metavar="N",
+    help="Keep at most N positions of keys and values (mlx-lm's rotating cache).",
+    rich_help_panel=MODEL_PANEL,
+)
 KV_GROUP_SIZE = typer.Option(
     64, "--kv-group-size", metavar="N", help="Group size of --kv-bits.", rich_help_panel=MODEL_PANEL
 )
@@ -172,12 +180,12 @@ PROMPT_CACHE_FILE = typer.Option(
 )
 
 
-def read_prompt_cache(path: str | None, model: str | None, drafter: str | None, kv):
-    """(file metadata, arrays, model, drafter, kv): a prompt cache file read, its target and
-    drafter taken where none is given (mlx-lm's rule), and its KV quantization where no
-    --kv-bits is given; (None, None, model, drafter, kv) without a file."""
+def read_prompt_cache(path: str | None, model: str | None, drafter: str | None, kv, max_kv):
+    """(file metadata, arrays, model, drafter, kv, max_kv): a prompt cache file read, its
+    target and drafter taken where none is given (mlx-lm's rule), and its KV settings where
+    no --kv-bits / --max-kv-size is given; (None, None, the rest as given) without a file."""
     if path is None:
-        return None, None, model, drafter, kv
+        return None, None, model, drafter, kv, max_kv
     from ..models.cache import KVQuantization
     from ..prompt_cache import read
 
@@ -186,7 +194,10 @@ def read_prompt_cache(path: str | None, model: str | None, drafter: str | None, 
         model, drafter = meta.model, drafter or meta.drafter
     if kv is None and meta.kv is not None:
         kv = KVQuantization(**meta.kv)
-    return meta, arrays, model, drafter, kv
+    sizes = [m["max_size"] for m in meta.layers if "max_size" in m]
+    if max_kv is None and sizes:
+        max_kv = sizes[0]
+    return meta, arrays, model, drafter, kv, max_kv
 
 
 JSON_SCHEMA = typer.Option(

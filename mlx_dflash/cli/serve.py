@@ -41,6 +41,7 @@ def serve_command(
         rich_help_panel=opts.MODEL_PANEL,
     ),
     prefill_step_size: int = opts.PREFILL,
+    max_kv_size: int = opts.MAX_KV_SIZE,
     kv_bits: int = opts.KV_BITS,
     kv_group_size: int = opts.KV_GROUP_SIZE,
     quantized_kv_start: int = opts.QUANTIZED_KV_START,
@@ -117,14 +118,15 @@ def serve_command(
     world = distributed.init()  # several ranks under mlx.launch: rank 0 serves HTTP
     # (cfg: the engine config every request starts from)
     target, runner, cfg = opts.load_settled(flags, model, drafter, world)
-    if kv is not None:
-        target.make_cache(kv)  # a target it does not apply to stops here, not at a request
+    if kv is not None or max_kv_size is not None:
+        target.make_cache(kv, max_kv_size)  # a target they do not apply to stops here
     served = name or (Path(model).name if model else "stories260K")
     aliases = tuple(a for a in (model, Path(model).name if model else None) if a)
     keep = str(keep_answers) if keep_answers else None
     config = ServerConfig(model_name=served, aliases=aliases, api_key=api_key,
                           max_tokens=max_tokens, thinking=thinking, cache_bytes=cache_mb * 2**20,
-                          cache_sessions=cache_sessions, max_batch=max_batch, keep_answers=keep, kv=kv)  # fmt: skip
+                          cache_sessions=cache_sessions, max_batch=max_batch, keep_answers=keep, kv=kv,
+                          max_kv_size=max_kv_size)  # fmt: skip
     app = App(target, runner if cfg.uses_drafter else None, cfg, config, world)
     if not world.is_main:
         return app.worker.follow(app.base)

@@ -261,8 +261,10 @@ class BatchedTarget:
     def forward_paths(self) -> str:
         return self._target.forward_paths
 
-    def make_cache(self, kv=None) -> list:
-        return self._target.make_cache() if kv is None else self._target.make_cache(kv)
+    def make_cache(self, kv=None, max_kv_size=None) -> list:
+        if kv is None and max_kv_size is None:
+            return self._target.make_cache()
+        return self._target.make_cache(kv, max_kv_size)
 
     def new_arena(self):
         return None  # the batch's own arena is the Batcher's

@@ -213,7 +213,7 @@ class TargetModel(Protocol):
         choice does not price another, so the profile's cache name includes it."""
         ...
 
-    def make_cache(self, kv: Any = None) -> list[Any]:
+    def make_cache(self, kv: Any = None, max_kv_size: int | None = None) -> list[Any]:
         """One Cache per layer (kv: a quantized KV cache's settings, models/cache.py)."""
         ...
 

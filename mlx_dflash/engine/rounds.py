@@ -38,7 +38,8 @@ def prefill(session: Session, prompt: list[int], cfg: GenerationConfig) -> tuple
     target, drafter = session.target, session.drafter
     new = session.rewind(prompt)
     logits = None
-    for chunk in prefill_chunks(new, cfg.prefill_chunk, session.kv is not None):
+    mlx_lm_forwards = session.kv is not None or session.max_kv_size is not None
+    for chunk in prefill_chunks(new, cfg.prefill_chunk, mlx_lm_forwards):
         logits, taps = target.forward(
             mx.array(chunk),
             session.cache,
@@ -58,8 +59,8 @@ def prefill(session: Session, prompt: list[int], cfg: GenerationConfig) -> tuple
 
 def prefill_chunks(new: list[int], size: int, last_alone: bool) -> list[list[int]]:
     """The prompt's forwards: chunks of `size`; with `last_alone`, mlx-lm's: chunks of all but
-    the last token, then the last one alone, which is where a quantized KV cache's forwards
-    begin (models/cache.py QuantizedKVCache), so its output is mlx-lm's token for token."""
+    the last token, then the last one alone, which is where a quantized or rotating KV cache
+    sees as mlx-lm's does (models/cache.py), so its output is mlx-lm's token for token."""
     body, tail = (new[:-1], new[-1:]) if last_alone else (new, [])
     return [body[i : i + size] for i in range(0, len(body), size)] + ([tail] if tail else [])
 

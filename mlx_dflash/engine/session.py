@@ -176,16 +176,22 @@ class Session:
     """
 
     def __init__(
-        self, target: TargetModel, drafter: Drafter | None = None, kv: KVQuantization | None = None
+        self,
+        target: TargetModel,
+        drafter: Drafter | None = None,
+        kv: KVQuantization | None = None,
+        max_kv_size: int | None = None,
     ):
         self.target = target
         self.drafter = drafter
         # A target sharded over several processes (mlx_dflash/distributed.py) takes host
         # decisions on rank 0 and broadcasts them; an unsharded one holds the local world.
         self.world = target.world
-        # kv: mlx-lm's quantized KV cache (--kv-bits; models/cache.py QuantizedKVCache)
-        self.kv = kv
-        self.cache = target.make_cache() if kv is None else target.make_cache(kv)
+        # kv: mlx-lm's quantized KV cache (--kv-bits; models/cache.py QuantizedKVCache);
+        # max_kv_size: mlx-lm's rotating cache (--max-kv-size; models/cache.py RotatingKVCache)
+        self.kv, self.max_kv_size = kv, max_kv_size
+        bounded = kv is not None or max_kv_size is not None
+        self.cache = target.make_cache(kv, max_kv_size) if bounded else target.make_cache()
         self.tokens: list[int] = []  # tokens whose K/V sit in the target cache
 
     def agree(self, values) -> list[int]:

@@ -15,7 +15,7 @@ import mlx.core as mx
 from ..kernels.cpu_attention import cpu_attention, use_cpu_attention
 from ..kernels.tree_attention import ancestor_mask, tree_attention
 from .arena import SlotCache, plan_forward, step_attention
-from .cache import KVCache, QuantizedKVCache
+from .cache import KVCache, QuantizedKVCache, RotatingKVCache, rotating_mask
 from .rows import pad_rows
 
 
@@ -134,6 +134,13 @@ def attend_cached(attn, q, k, v, cache, start, positions, parents, masks, window
     keys, values = cache.append(k, v)
     if isinstance(cache, QuantizedKVCache):
         return _attend_quantized(attn, q, keys, values, cache, start, positions, parents, masks)
+    if isinstance(cache, RotatingKVCache):
+        if "rotating" not in masks:  # the same for every layer of this forward
+            verify = masks.get("verify", True)
+            masks["rotating"] = rotating_mask(cache, start, q.shape[2], positions, parents, verify)
+        return mx.fast.scaled_dot_product_attention(
+            q, keys, values, scale=_scale(attn), mask=masks["rotating"]
+        )
     held_from = getattr(cache, "dropped", 0)  # a windowed cache's first held position
     return _attend(attn, q, keys, values, start, positions, parents, masks, window, held_from)
 

@@ -145,6 +145,112 @@ class WindowedKVCache(KVCache):
         super().compact(start - self.dropped, keep)
 
 
+class RotatingKVCache(KVCache):
+    """mlx-lm's --max-kv-size (its RotatingKVCache, keep=4): at most `max_size` positions of
+    keys and values, the first `keep` ("attention sinks") always among them, under verify and
+    rewind.
+
+    Rows are held for positions [0, keep) and [dropped, end): the sinks, then a window that
+    is cut, amortised, to what the next forward can see. What a query sees is mlx-lm's
+    (`rotating_mask`): a one-token step at position p sees the sinks and the newest
+    max_size - keep positions up to p, and every row of a verify stands for such a step; a
+    prompt chunk sees what mlx-lm's concatenated buffer shows it, a window of max_size over
+    the buffer's order."""
+
+    def __init__(self, max_size: int, keep: int = 4) -> None:
+        super().__init__()
+        if max_size <= keep:
+            raise DFlashError(f"--max-kv-size must be more than {keep}, not {max_size}.")
+        self.max_size, self.keep = int(max_size), int(keep)
+        self.dropped = self.keep  # the first position held after the sinks
+
+    @property
+    def window(self) -> int:
+        return self.max_size - self.keep
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.dropped - self.keep
+
+    def append(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self._drop()
+        return super().append(keys, values)
+
+    def positions(self) -> mx.array:
+        """The position of every row held before this forward's (sinks, then the window)."""
+        if self.dropped == self.keep:
+            return mx.arange(self.offset)
+        return mx.concatenate([mx.arange(self.keep), mx.arange(self.dropped, self.end)])
+
+    def _drop(self) -> None:
+        cut = self.end - self.window + 1 - self.dropped  # positions no query will see
+        if cut < self.window or self.keys is None or self.values is None:
+            return
+        k, a, b = self.keep, self.keep + cut, self.offset
+        self.keys = mx.concatenate([self.keys[..., :k, :], self.keys[..., a:b, :]], axis=2)
+        self.values = mx.concatenate([self.values[..., :k, :], self.values[..., a:b, :]], axis=2)
+        self.dropped += cut
+        self.offset -= cut
+
+    def rewind_point(self, length: int) -> int:
+        """`length` while what a forward from there sees is held, else 0 (run it again)."""
+        ok = self.dropped == self.keep or length - self.window + 1 >= self.dropped
+        return length if ok else 0
+
+    def trim(self, length: int) -> None:
+        if length < self.dropped and self.dropped > self.keep:
+            self.keys = self.values = None
+            self.dropped, self.offset = self.keep, 0
+        else:
+            self.offset = max(0, min(self.offset, length - (self.dropped - self.keep)))
+
+    def compact(self, start: int, keep: mx.array | list[int]) -> None:
+        super().compact(start - (self.dropped - self.keep), keep)
+
+    def saved(self) -> tuple[dict[str, mx.array], dict]:
+        arrays, meta = super().saved()
+        return arrays, {**meta, "max_size": self.max_size}
+
+    def restore(self, arrays: dict[str, mx.array], meta: dict) -> None:
+        if meta.get("max_size") != self.max_size:
+            raise DFlashError(
+                f"The prompt cache was made with --max-kv-size {meta.get('max_size')}; give the "
+                "same."
+            )
+        super().restore(arrays, meta)
+
+
+def rotating_mask(cache: RotatingKVCache, start: int, T: int, positions, parents, verify: bool):
+    """Boolean (T, held + T) mask of what each of a forward's T queries sees in a
+    RotatingKVCache (called after the append), as mlx-lm's RotatingKVCache shows it.
+
+    A verify's rows and a one-token step are steps at their positions p: the sinks and the
+    positions after p - (max_size - keep). A prompt chunk of T > 1 at offset o is mlx-lm's
+    concatenated forward: from o >= max_size - 1 on its buffer is the sinks, the newest
+    max_size - keep - 1 earlier positions and the chunk, and row j sees buffer entries j..;
+    so the sinks from j on and the positions from max(p - max_size, o - max_size + keep) + 1;
+    before that, a plain window of max_size positions."""
+    from ..kernels.tree_attention import ancestor_mask
+
+    before = cache.positions()[: cache.offset - T]
+    q_pos = start + mx.arange(T) if positions is None else positions
+    k_pos = mx.concatenate([before, q_pos])
+    prefix = mx.ones((T, before.shape[0]), dtype=mx.bool_)
+    own = mx.tril(mx.ones((T, T), dtype=mx.bool_)) if parents is None else ancestor_mask(parents, 0)
+    base = mx.concatenate([prefix, own], axis=1)
+    qp, kp = q_pos[:, None], k_pos[None, :]
+    size, keep = cache.max_size, cache.keep
+    if verify or T == 1:
+        seen = (kp < keep) | (kp > qp - cache.window)
+    elif start <= size - 1:
+        seen = kp > qp - size
+    else:
+        j = qp - start
+        first = mx.maximum(qp - size + 1, start - size + 1 + keep)
+        seen = mx.where(kp < keep, kp >= j, kp >= first)
+    return base & seen
+
+
 @dataclass(frozen=True)
 class KVQuantization:
     """mlx-lm's --kv-bits, --kv-group-size and --quantized-kv-start: a layer's keys and values

@@ -25,7 +25,13 @@ from ..kernels import cpu_math
 from ..kernels.tree_attention import tree_depths
 from .arena import KVArena
 from .attention import AttentionSpec, attention
-from .cache import KVCache, KVQuantization, QuantizedKVCache, WindowedKVCache
+from .cache import (
+    KVCache,
+    KVQuantization,
+    QuantizedKVCache,
+    RotatingKVCache,
+    WindowedKVCache,
+)
 from .gated_deltanet import RecurrentCache, gdn_forward
 from .gemma4 import gemma4_block, gemma4_project
 from .minimax import minimax_project
@@ -271,15 +277,22 @@ class Target:
                 )
         self.tap_ids = tap_ids
 
-    def make_cache(self, kv: KVQuantization | None = None) -> list:
+    def make_cache(self, kv: KVQuantization | None = None, max_kv_size: int | None = None) -> list:
         """Every layer's cache; with `kv`, the standard attention layers' are quantized once
-        the context reaches kv.start (mlx-lm's --kv-bits)."""
+        the context reaches kv.start (mlx-lm's --kv-bits); with `max_kv_size`, they hold at
+        most that many positions (mlx-lm's --max-kv-size, a rotating cache)."""
         if self.stage is not None:
-            if kv is not None:
-                raise DFlashError("A quantized KV cache (--kv-bits) runs on one machine, not "
-                                  "on a target sharded over several.")  # fmt: skip
+            if kv is not None or max_kv_size is not None:
+                raise DFlashError("--kv-bits and --max-kv-size run on one machine, not on a "
+                                  "target sharded over several.")  # fmt: skip
             return self.stage.make_cache(self)
-        caches = [self.layer_cache(i, kv) for i in range(self.num_layers)]
+        if kv is not None and max_kv_size is not None:
+            raise DFlashError("--kv-bits and --max-kv-size do not go together (mlx-lm cannot "
+                              "quantize its rotating cache either).")  # fmt: skip
+        if max_kv_size is not None and any(_is_linear(layer) for layer in self.layers):
+            raise DFlashError("--max-kv-size applies to targets of attention layers alone, "
+                              "not to this one's linear-attention layers.")  # fmt: skip
+        caches = [self.layer_cache(i, kv, max_kv_size) for i in range(self.num_layers)]
         if kv is not None:
             t = self.text_config
             head_dim = int(t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"])
@@ -303,14 +316,16 @@ class Target:
         ]
         return KVArena(standard)
 
-    def layer_cache(self, i: int, kv: KVQuantization | None = None):
-        """Layer i's cache: recurrent state, a window's K/V, or all K/V (quantized with `kv`)."""
+    def layer_cache(self, i: int, kv: KVQuantization | None = None, max_kv_size=None):
+        """Layer i's cache: recurrent state, a window's K/V, or all K/V (quantized with `kv`,
+        at most `max_kv_size` positions with it)."""
         layer = self.layers[i]
         if _is_linear(layer):
             return RecurrentCache()
         window = self.windows[i]
-        if kv is None:
+        if kv is None and max_kv_size is None:
             return KVCache() if window is None else WindowedKVCache(window)
+        flag = "--kv-bits" if kv is not None else "--max-kv-size"
         why = None
         if window is not None:
             why = "sliding-window layers (mlx-lm cannot quantize its rotating cache either)"
@@ -320,9 +335,8 @@ class Target:
                  for a in ("sinks", "attention_sink_bias")):  # fmt: skip
             why = "attention sinks"
         if why is not None:
-            raise DFlashError(f"A quantized KV cache (--kv-bits) does not apply to this "
-                              f"target's {why}.")  # fmt: skip
-        return QuantizedKVCache(kv)
+            raise DFlashError(f"{flag} does not apply to this target's {why}.")
+        return QuantizedKVCache(kv) if kv is not None else RotatingKVCache(max_kv_size)
 
     def embed(self, tokens: mx.array) -> mx.array:
         """The first layer's input: the token embeddings and what the family does to them."""

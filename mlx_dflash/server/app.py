@@ -34,6 +34,7 @@ class ServerConfig:
     cache_sessions: int = 8
     # A quantized KV cache for every session (--kv-bits; models/cache.py KVQuantization)
     kv: Any = None
+    max_kv_size: int | None = None  # a rotating KV cache for every session (--max-kv-size)
     # Generations whose rounds share each target forward (engine/batch.py); 1: one at a time.
     max_batch: int = 1
     # A streamed answer sends an SSE comment after this many idle seconds (a long prefill):
@@ -61,7 +62,8 @@ class App:
         )
         self.mode = base.mode
         served = serving_target(target, world, config.max_batch)
-        pool = SessionPool(served, runner, config.cache_bytes, config.cache_sessions, config.kv)
+        pool = SessionPool(served, runner, config.cache_bytes, config.cache_sessions, config.kv,
+                           config.max_kv_size)  # fmt: skip
         self.pool = pool
         self.worker = Worker(target, runner, base.mode, pool, world, config.max_batch)
         self.worker.answer_log = log

@@ -31,10 +31,17 @@ class SessionPool:
     """Sessions for one target (and drafter model), each with its own drafter cache."""
 
     def __init__(
-        self, target, runner: DrafterRunner | None, max_bytes: int, max_sessions: int, kv=None
+        self,
+        target,
+        runner: DrafterRunner | None,
+        max_bytes: int,
+        max_sessions: int,
+        kv=None,
+        max_kv_size: int | None = None,
     ):
         self.target = target
-        self.kv = kv  # a quantized KV cache's settings (--kv-bits), None: float
+        # a quantized or rotating KV cache's settings (--kv-bits, --max-kv-size)
+        self.kv, self.max_kv_size = kv, max_kv_size
         self.drafter_model = runner.drafter if runner is not None else None
         self.max_bytes = max_bytes
         self.max_sessions = max(1, max_sessions)
@@ -44,7 +51,7 @@ class SessionPool:
         runner = None
         if with_drafter and self.drafter_model is not None:
             runner = DrafterRunner(self.drafter_model, self.target)
-        return Session(self.target, runner, kv=self.kv)
+        return Session(self.target, runner, self.kv, self.max_kv_size)
 
     def take(self, prompt: list[int], with_drafter: bool) -> tuple[Session, int]:
         """The idle Session sharing the longest prefix with `prompt` (a new one if none
