@@ -268,8 +268,8 @@ def test_help_groups_the_flags_in_panels(run_cli, monkeypatch):
     code, out, _ = run_cli("generate", "--help")
     assert code == 0
     panels = [line.split("─ ")[1].split(" ─")[0] for line in out.splitlines() if "╭─ " in line]
-    assert panels == ["Options", "Prompt", "Model", "Speculation", "Sampling",
-                      "Structured output", "Output"]  # fmt: skip
+    assert panels == ["Options", "Prompt", "Model", "Chat template", "KV cache", "Speculation",
+                      "Sampling", "Structured output", "Output"]  # fmt: skip
     assert "[ddtree|dflash|lookup|ar]" in out and "<str>" not in out
     assert len(out.splitlines()) < 100
     _, out, _ = run_cli("convert", "--help")

@@ -16,8 +16,10 @@ from ..engine.session import speculates
 from ..errors import DFlashError
 
 # Help panels (`--help` groups the flags under these titles).
-MODEL_PANEL, SPECULATION, SAMPLING, STRUCTURED, OUTPUT = (
+MODEL_PANEL, TEMPLATE, KV_PANEL, SPECULATION, SAMPLING, STRUCTURED, OUTPUT = (
     "Model",
+    "Chat template",
+    "KV cache",
     "Speculation",
     "Sampling",
     "Structured output",
@@ -71,8 +73,8 @@ MODE = typer.Option(
     None,
     "--mode",
     metavar="[" + "|".join(MODES) + "]",
-    help="ddtree: draft trees + lookup; dflash: z-lab's chain; lookup: no drafter; ar: "
-    "plain. Default: ddtree, or what this pair and machine can run (said in one line).",
+    help="ddtree: trees + lookup; dflash: z-lab's chain; lookup: no drafter; ar: plain. "
+    "Default: ddtree, or what can run here.",
     rich_help_panel=SPECULATION,
 )
 BLOCK_SIZE = typer.Option(
@@ -86,15 +88,14 @@ BUDGET = typer.Option(
     None,
     "--budget",
     metavar="N|auto",
-    help="Tokens verified each round, or 'auto': sized every round from the measured verify "
-    "cost. Default: auto (--mode dflash: the whole block).",
+    help="Tokens verified a round, or auto: sized from the measured verify cost (default).",
     rich_help_panel=SPECULATION,
 )
 CHAT_TEMPLATE = typer.Option(
     None,
     "--chat-template/--no-chat-template",
-    help="Default: use it when the model has one.",
-    rich_help_panel=MODEL_PANEL,
+    help="Default: when the model has one.",
+    rich_help_panel=TEMPLATE,
 )
 PREFILL = typer.Option(
     512,
@@ -109,14 +110,14 @@ SYSTEM = typer.Option(
     "--system",
     "--system-prompt",
     metavar="TEXT",
-    help="System message (through the chat template).",
-    rich_help_panel=MODEL_PANEL,
+    help="System message.",
+    rich_help_panel=TEMPLATE,
 )
 THINKING = typer.Option(
     None,
     "--thinking/--no-thinking",
-    help="Thinking models (Qwen3, Qwen3.5): thinking on or off (default: the template's).",
-    rich_help_panel=MODEL_PANEL,
+    help="Thinking on or off (Qwen3-style templates; default: theirs).",
+    rich_help_panel=TEMPLATE,
 )
 LOOKUP = typer.Option(
     None,
@@ -139,26 +140,26 @@ KV_BITS = typer.Option(
     None,
     "--kv-bits",
     metavar="BITS",
-    help="Hold the KV cache quantized at this many bits (mlx-lm's flag; 4 or 8 usually).",
-    rich_help_panel=MODEL_PANEL,
+    help="Quantize the KV cache to BITS (4 or 8).",
+    rich_help_panel=KV_PANEL,
 )
 MAX_KV_SIZE = typer.Option(
     None,
     "--max-kv-size",
     min=5,
     metavar="N",
-    help="Keep at most N positions of keys and values (mlx-lm's rotating cache).",
-    rich_help_panel=MODEL_PANEL,
+    help="At most N positions (a rotating cache).",
+    rich_help_panel=KV_PANEL,
 )
 KV_GROUP_SIZE = typer.Option(
-    64, "--kv-group-size", metavar="N", help="Group size of --kv-bits.", rich_help_panel=MODEL_PANEL
+    64, "--kv-group-size", metavar="N", help="Group size of --kv-bits.", rich_help_panel=KV_PANEL
 )
 QUANTIZED_KV_START = typer.Option(
     5000,
     "--quantized-kv-start",
     metavar="N",
-    help="Quantize the KV cache once the context holds N tokens (--kv-bits).",
-    rich_help_panel=MODEL_PANEL,
+    help="Quantize from N tokens of context on.",
+    rich_help_panel=KV_PANEL,
 )
 
 
@@ -174,9 +175,8 @@ PROMPT_CACHE_FILE = typer.Option(
     None,
     "--prompt-cache-file",
     metavar="FILE",
-    help="Start from a prompt cache (`dflash-mlx cache`, or chat's /save): its model, drafter "
-    "and KV settings unless given.",
-    rich_help_panel=MODEL_PANEL,
+    help="Start from a prompt cache (`dflash-mlx cache`, chat's /save).",
+    rich_help_panel=KV_PANEL,
 )
 
 

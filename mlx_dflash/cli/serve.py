@@ -38,7 +38,7 @@ def serve_command(
         "--thinking/--no-thinking",
         help="Default enable_thinking for chat templates that have the switch (requests may "
         "override it with chat_template_kwargs).",
-        rich_help_panel=opts.MODEL_PANEL,
+        rich_help_panel=opts.TEMPLATE,
     ),
     prefill_step_size: int = opts.PREFILL,
     max_kv_size: int = opts.MAX_KV_SIZE,
