@@ -310,3 +310,16 @@ def test_stop_strings_and_verbose_as_mlx_lm_users_type_them(run_cli):
     assert code == 0 and err == ""
     code, out, err = run_cli("generate", "-p", STORY, "-n", "8", "--verbose", "True")
     assert code == 0 and "tok/s" in err
+
+
+def test_xtc_flags_reach_the_sampler(run_cli):
+    """--xtc-probability / --xtc-threshold (mlx-lm's; the distribution is tested against
+    mlx-lm's sampler in test_sampling): excluding the top choices every draw changes a sampled
+    story, and a threshold no two tokens pass excludes nothing."""
+    args = ("generate", "-p", STORY, "-n", "24", "--no-stats", "--temp", "1.0", "--seed", "5")
+    code, plain, err = run_cli(*args)
+    assert code == 0, err
+    code, out, err = run_cli(*args, "--xtc-probability", "1", "--xtc-threshold", "0.05")
+    assert code == 0 and out != plain, err
+    code, out, err = run_cli(*args, "--xtc-probability", "1", "--xtc-threshold", "0.5")
+    assert code == 0 and out == plain, err

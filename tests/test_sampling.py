@@ -117,6 +117,7 @@ def exact_marginals(target, sampling, depth):
         (SamplingParams(1.0), "ddtree", 6, False),
         (SamplingParams(0.8, 0.95, 8), "ddtree", 3, False),
         (SamplingParams(1.0, min_p=0.15), "ddtree", 6, False),
+        (SamplingParams(1.0, xtc_probability=0.5, xtc_threshold=0.05), "ddtree", 6, False),
         # q is zero outside the draft vocabulary: those tokens come only from the residual.
         (SamplingParams(1.0), "dflash", 0, True),
         (SamplingParams(1.0), "ddtree", 6, True),
@@ -162,3 +163,28 @@ def test_emitted_distribution_matches_target(small_target, sampling, mode, budge
     assert 1.0 < np.mean(taus) < 3.0, "both acceptance and rejection must be exercised"
     for k, expected in enumerate(exact_marginals(target, sampling, depth)):
         assert chi2_pvalue(samples[:, k], expected) > 1e-3, f"token {k + 1} is biased"
+
+
+def test_xtc_is_mlx_lm_samplers_distribution():
+    """XTC's coin makes a token's distribution the mixture of the kept and the excluded one:
+    ours, against 40000 draws of mlx-lm's own sampler (make_sampler with XTC) on the same
+    logits, and the exclusion itself against mlx-lm's apply_xtc."""
+    from mlx_lm.sample_utils import apply_xtc, make_sampler
+
+    logits = mx.array(np.random.default_rng(7).normal(size=(1, V)).astype(np.float32) * 1.5)
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    params = SamplingParams(0.9, top_k=12, xtc_probability=0.5, xtc_threshold=0.08,
+                            xtc_special=(3,))  # fmt: skip
+    ours = token_probs(logits, params)[0]
+    forced = apply_xtc(lp, 1.0, 0.08, [3])  # the coin always says exclude
+    excluded = token_probs(logits, SamplingParams(0.9, xtc_probability=1.0, xtc_threshold=0.08,
+                                                  xtc_special=(3,)))[0]  # fmt: skip
+    assert np.array_equal(np.isfinite(np.array(forced))[0], excluded > 0)
+    assert 0 < (excluded == 0).sum() < V - 2
+    sampler = make_sampler(0.9, top_k=12, xtc_probability=0.5, xtc_threshold=0.08,
+                           xtc_special_tokens=[3])  # fmt: skip
+    mx.random.seed(0)
+    draws = np.array([int(sampler(lp).item()) for _ in range(40000)])
+    assert chi2_pvalue(draws, ours) > 1e-3
+    plain = token_probs(logits, SamplingParams(0.9, top_k=12))[0]
+    assert set(draws.tolist()) - set(np.nonzero(plain)[0].tolist())  # (not the plain sampler)

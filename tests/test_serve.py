@@ -658,3 +658,12 @@ def test_min_p_in_a_request(client, served):
     assert hot.text == greedy.text
     status, body = post(served[1], "/v1/completions", {"model": "tiny", "prompt": "x", "min_p": 2})
     assert status == 400 and "min_p" in json.dumps(body)
+    for field, bad in (("xtc_probability", 1.5), ("xtc_threshold", 0.7)):
+        status, body = post(
+            served[1], "/v1/completions", {"model": "tiny", "prompt": "x", field: bad}
+        )
+        assert status == 400 and field in json.dumps(body)
+    same = client.completions.create(model="tiny", prompt=QUESTION, max_tokens=16, temperature=1.5,
+                                     seed=4, extra_body={"min_p": 1.0, "xtc_probability": 1.0,
+                                                         "xtc_threshold": 0.5})  # fmt: skip
+    assert same.choices[0].text == greedy.text  # (one token above 0.5 at most: none excluded)

@@ -248,6 +248,8 @@ def chat_command(
     top_k: int = opts.TOP_K,
     min_p: float = opts.MIN_P,
     min_tokens_to_keep: int = opts.MIN_TOKENS_TO_KEEP,
+    xtc_probability: float = opts.XTC_PROBABILITY,
+    xtc_threshold: float = opts.XTC_THRESHOLD,
     seed: int = opts.SEED,
     max_tokens: int = typer.Option(
         512,
@@ -264,7 +266,8 @@ def chat_command(
 
     flags = opts.Flags(max_tokens, temp, top_p, top_k, seed, mode, block_size, budget,
                        lookup, lookup_corpus, prefill=prefill_step_size, min_p=min_p,
-                       min_keep=min_tokens_to_keep)  # fmt: skip
+                       min_keep=min_tokens_to_keep,
+                       xtc=(xtc_probability, xtc_threshold))  # fmt: skip
     kv = opts.kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     saved, arrays, model, drafter, kv, max_kv_size = opts.read_prompt_cache(
         prompt_cache_file, model, drafter, kv, max_kv_size

@@ -74,6 +74,8 @@ def generate_command(
     top_k: int = opts.TOP_K,
     min_p: float = opts.MIN_P,
     min_tokens_to_keep: int = opts.MIN_TOKENS_TO_KEEP,
+    xtc_probability: float = opts.XTC_PROBABILITY,
+    xtc_threshold: float = opts.XTC_THRESHOLD,
     seed: int = opts.SEED,
     json_schema: str = opts.JSON_SCHEMA,
     regex: str = opts.REGEX,
@@ -119,7 +121,8 @@ def generate_command(
     prompt = opts.read_prompt(prompt, prompt_file)
     flags = opts.Flags(max_tokens, temp, top_p, top_k, seed, mode, block_size, budget,
                        lookup, lookup_corpus, prefill=prefill_step_size, min_p=min_p,
-                       min_keep=min_tokens_to_keep)  # fmt: skip
+                       min_keep=min_tokens_to_keep,
+                       xtc=(xtc_probability, xtc_threshold))  # fmt: skip
     grammar = opts.grammar_spec(json_schema, regex, lark)
     kv = opts.kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     flags.config()  # every flag checked before any model loads

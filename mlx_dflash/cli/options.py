@@ -14,6 +14,7 @@ from ..engine import GenerationConfig, SamplingParams
 from ..engine.choice import default_mode
 from ..engine.session import speculates
 from ..errors import DFlashError
+from ..prompts import stop_ids
 
 # Help panels (`--help` groups the flags under these titles).
 MODEL_PANEL, TEMPLATE, KV_PANEL, SPECULATION, SAMPLING, STRUCTURED, OUTPUT = (
@@ -65,6 +66,14 @@ MIN_P = typer.Option(
     help="Drop tokens less probable than P times the most probable (0 = off).",
     rich_help_panel=SAMPLING,
 )
+XTC_PROBABILITY = typer.Option(
+    0.0, "--xtc-probability", min=0.0, max=1.0, metavar="P",
+    help="XTC: how often a draw excludes the top choices (0 = off).", rich_help_panel=SAMPLING,
+)  # fmt: skip
+XTC_THRESHOLD = typer.Option(
+    0.1, "--xtc-threshold", min=0.0, max=0.5, metavar="P",
+    help="XTC: the probability a top choice has.", rich_help_panel=SAMPLING,
+)  # fmt: skip
 MIN_TOKENS_TO_KEEP = typer.Option(
     1, "--min-tokens-to-keep", min=1, metavar="N", help="What --min-p keeps at least.",
     rich_help_panel=SAMPLING,
@@ -266,6 +275,7 @@ class Flags:
     prefill: int = 512  # --prefill-step-size
     min_p: float = 0.0
     min_keep: int = 1  # --min-tokens-to-keep
+    xtc: tuple[float, float] = (0.0, 0.1)  # --xtc-probability, --xtc-threshold
 
     def config(self, mode: str | None = None) -> GenerationConfig:
         """The settings for `mode` (the typed one, else the default's DDTree), checked; a
@@ -275,7 +285,9 @@ class Flags:
         corpus = "" if self.corpus == "none" else self.corpus  # "": none, not the drafter's
         cfg = GenerationConfig(
             max_tokens=self.max_tokens,
-            sampling=SamplingParams(self.temp, self.top_p, self.top_k, self.min_p, self.min_keep),
+            sampling=SamplingParams(
+                self.temp, self.top_p, self.top_k, self.min_p, self.min_keep, *self.xtc
+            ),
             seed=self.seed,
             mode=mode or self.mode or "ddtree",
             block_size=self.block_size,
@@ -292,12 +304,23 @@ class Flags:
         """The final settings for the loaded pair, and a line to tell the user where the
         default chose other than DDTree (engine/choice.py)."""
         if self.mode is not None:
-            return default_corpus(self.config(), runner), None
+            return xtc_special(default_corpus(self.config(), runner), target), None
         choice = default_mode(target, runner, model)
         flags = self
         if not speculates(choice.mode):  # nothing drafts: the speculation flags have nothing to set
             flags = dataclasses.replace(self, budget=None, lookup=None, corpus=None)
-        return default_corpus(flags.config(choice.mode), runner), choice.note
+        return xtc_special(default_corpus(flags.config(choice.mode), runner), target), choice.note
+
+
+def xtc_special(cfg: GenerationConfig, target) -> GenerationConfig:
+    """XTC never excludes a newline or an end of text (mlx-lm's special tokens for it)."""
+    if not cfg.sampling.xtc_probability:
+        return cfg
+    tok = target.tokenizer
+    special = list(tok.encode("\n", add_special_tokens=False)) + sorted(stop_ids(tok))
+    return dataclasses.replace(
+        cfg, sampling=dataclasses.replace(cfg.sampling, xtc_special=tuple(special))
+    )
 
 
 def load_settled(flags: Flags, model, drafter, world):

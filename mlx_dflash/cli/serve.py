@@ -56,6 +56,8 @@ def serve_command(
     top_k: int = opts.TOP_K,
     min_p: float = opts.MIN_P,
     min_tokens_to_keep: int = opts.MIN_TOKENS_TO_KEEP,
+    xtc_probability: float = opts.XTC_PROBABILITY,
+    xtc_threshold: float = opts.XTC_THRESHOLD,
     max_tokens: int = typer.Option(
         512,
         "--max-tokens",
@@ -113,7 +115,8 @@ def serve_command(
 
     flags = opts.Flags(max_tokens, temp, top_p, top_k, None, mode, block_size, budget,
                        lookup, lookup_corpus, prefill=prefill_step_size, min_p=min_p,
-                       min_keep=min_tokens_to_keep)  # fmt: skip
+                       min_keep=min_tokens_to_keep,
+                       xtc=(xtc_probability, xtc_threshold))  # fmt: skip
     kv = opts.kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     world = distributed.init()  # several ranks under mlx.launch: rank 0 serves HTTP
     # (cfg: the engine config every request starts from)

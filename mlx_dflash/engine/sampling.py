@@ -1,8 +1,8 @@
 """Token distributions and lossless acceptance rules (docs/dflash.md, docs/ddtree.md).
 
 The transform follows mlx-lm's sampler so that our output is distributed exactly like
-`mlx_lm.generate` with the same settings: top-p, then min-p, then top-k select the candidate
-set on the untempered distribution, then the temperature reshapes the survivors.
+`mlx_lm.generate` with the same settings: top-p, then min-p, then XTC, then top-k select the
+candidate set on the untempered distribution, then the temperature reshapes the survivors.
 """
 
 from __future__ import annotations
@@ -22,6 +22,15 @@ class SamplingParams:
     # keeping at least min_tokens_to_keep
     min_p: float = 0.0
     min_tokens_to_keep: int = 1
+    # XTC (mlx-lm's): with probability xtc_probability a token's draw excludes every token
+    # above xtc_threshold but the least probable of them (never the xtc_special ones); so the
+    # distribution a token is drawn from is the mixture of the two, which acceptance uses.
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    xtc_special: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "xtc_special", tuple(int(t) for t in self.xtc_special))
 
     @property
     def greedy(self) -> bool:
@@ -52,10 +61,32 @@ def device_probs(logits: mx.array, params: SamplingParams) -> mx.array:
         if keep > 1:  # the keep-th most probable survives whatever min-p says
             floor = mx.minimum(floor, mx.sort(logprobs, axis=-1)[..., -keep][..., None])
         logprobs = mx.where(logprobs < floor, -mx.inf, logprobs)
+    if params.xtc_probability > 0:
+        x = params.xtc_probability
+        kept = _softmax_top_k(logprobs, params)
+        excluded = _softmax_top_k(_xtc(logprobs, params), params)
+        return (1 - x) * kept + x * excluded
+    return _softmax_top_k(logprobs, params)
+
+
+def _softmax_top_k(logprobs: mx.array, params: SamplingParams) -> mx.array:
     if params.top_k > 0 and params.top_k < logprobs.shape[-1]:
         kth = mx.sort(logprobs, axis=-1)[..., -params.top_k][..., None]
         logprobs = mx.where(logprobs < kth, -mx.inf, logprobs)
     return mx.softmax(logprobs / params.temperature, axis=-1)
+
+
+def _xtc(logprobs: mx.array, params: SamplingParams) -> mx.array:
+    """XTC's exclusion (mlx-lm's apply_xtc when its coin says so): every token more probable
+    than the least probable of those above the threshold goes, special tokens excepted."""
+    probs = mx.softmax(logprobs, axis=-1)
+    above = mx.where(probs > params.xtc_threshold, probs, mx.inf)
+    drop = probs > above.min(axis=-1, keepdims=True)
+    if params.xtc_special:
+        special = np.zeros(logprobs.shape[-1], dtype=bool)
+        special[list(params.xtc_special)] = True
+        drop = drop & ~mx.array(special)
+    return mx.where(drop, -mx.inf, logprobs)
 
 
 def speculative_on_device(drafts, p, q, key) -> tuple[mx.array, mx.array]:

@@ -44,6 +44,15 @@ class ServerConfig:
     keep_answers: str | None = None
 
 
+def xtc_special_ids(tokenizer) -> tuple[int, ...]:
+    """What XTC never excludes: a newline and the end-of-text tokens (mlx-lm's)."""
+    from ..prompts import stop_ids
+
+    return tuple(tokenizer.encode("\n", add_special_tokens=False)) + tuple(
+        sorted(stop_ids(tokenizer))
+    )
+
+
 class App:
     """What the handlers share: the loaded pair, the server's defaults, the worker."""
 
@@ -133,6 +142,9 @@ class App:
             s.top_k if req.top_k is None else int(req.top_k),
             s.min_p if req.min_p is None else float(req.min_p),
             s.min_tokens_to_keep,
+            s.xtc_probability if req.xtc_probability is None else float(req.xtc_probability),
+            s.xtc_threshold if req.xtc_threshold is None else float(req.xtc_threshold),
+            s.xtc_special or xtc_special_ids(self.tokenizer),
         )
         cfg = job_config(self.base, max_tokens=max_tokens, sampling=sampling, seed=req.seed,
                          logprobs=req.logprobs, grammar=self._grammar(req, thinking))  # fmt: skip

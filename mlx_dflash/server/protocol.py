@@ -35,6 +35,8 @@ class Request:
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
+    xtc_probability: float | None = None
+    xtc_threshold: float | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stream: bool = False
@@ -216,6 +218,10 @@ def parse_request(kind: str, body: dict) -> Request:
     req.top_p = _get(body, "top_p", number, None, lambda v: 0 < v <= 1, "in (0, 1]")
     req.top_k = _get(body, "top_k", (int,), None, lambda v: v >= 0, "an integer >= 0")
     req.min_p = _get(body, "min_p", number, None, lambda v: 0 <= v <= 1, "in [0, 1]")
+    unit = lambda v: 0 <= v <= 1  # noqa: E731
+    req.xtc_probability = _get(body, "xtc_probability", number, None, unit, "in [0, 1]")
+    req.xtc_threshold = _get(body, "xtc_threshold", number, None, lambda v: 0 <= v <= 0.5,
+                             "in [0, 0.5]")  # fmt: skip
     req.seed = _get(body, "seed", (int,), what="an integer")
     n = _get(body, "n", (int,), 1, what="an integer")
     if n != 1:
