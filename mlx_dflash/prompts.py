@@ -33,18 +33,23 @@ def render(
     **template_kwargs,
 ) -> list[int]:
     """Token ids for `messages` (role/content dicts, the last one the user's), ready for the
-    answer. `template_kwargs` reach the chat template (enable_thinking=False for Qwen3)."""
+    answer; a last assistant message is the answer's start, which the model continues
+    (--prefill-response). `template_kwargs` reach the chat template (enable_thinking=False
+    for Qwen3)."""
+    prefilled = bool(messages) and messages[-1]["role"] == "assistant"  # the answer's start
     if templated:
         msgs = ([{"role": "system", "content": system}] if system else []) + list(messages)
         ids = tokenizer.apply_chat_template(
-            msgs, add_generation_prompt=True, tokenize=True, **template_kwargs
-        )
+            msgs, add_generation_prompt=not prefilled, continue_final_message=prefilled,
+            tokenize=True, **template_kwargs,
+        )  # fmt: skip
         if isinstance(ids, dict):
             ids = ids["input_ids"]
         return list(ids)
     text = f"{system}\n\n" if system else ""
-    for m in messages:
-        text += m["content"] + ("\n" if m["role"] == "assistant" else "")
+    for i, m in enumerate(messages):
+        last = i == len(messages) - 1
+        text += m["content"] + ("\n" if m["role"] == "assistant" and not last else "")
     ids = list(tokenizer.encode(text))
     bos = getattr(tokenizer, "bos_token_id", None)
     if bos is not None and getattr(tokenizer, "add_bos_token", False) and ids[:1] != [bos]:
@@ -103,13 +108,18 @@ def encode_prompt(
     chat_template: bool | None = None,
     system: str | None = None,
     thinking: bool | None = None,
+    prefill_response: str | None = None,
 ) -> list[int]:
-    """One user prompt, through the chat template when the model has one (or as asked)."""
+    """One user prompt, through the chat template when the model has one (or as asked);
+    `prefill_response`: the start of the answer, which the model continues."""
     if not prompt.strip():
         raise DFlashError("The prompt is empty.")
     templated = use_template(tokenizer, chat_template)
     kwargs = thinking_kwargs(tokenizer, templated, thinking)
-    return render(tokenizer, [{"role": "user", "content": prompt}], system, templated, **kwargs)
+    msgs = [{"role": "user", "content": prompt}]
+    if prefill_response:
+        msgs.append({"role": "assistant", "content": prefill_response})
+    return render(tokenizer, msgs, system, templated, **kwargs)
 
 
 def stop_ids(tokenizer) -> frozenset[int]:

@@ -323,3 +323,54 @@ def test_xtc_flags_reach_the_sampler(run_cli):
     assert code == 0 and out != plain, err
     code, out, err = run_cli(*args, "--xtc-probability", "1", "--xtc-threshold", "0.5")
     assert code == 0 and out == plain, err
+
+
+def test_prefill_response_starts_the_answer(run_cli, tmp_path):
+    """--prefill-response (mlx-lm's): the answer begins with it and the model continues it;
+    without a template that is the prompt's text and then it, through a chat template the
+    assistant's message left open (continue_final_message)."""
+    code, out, err = run_cli("generate", "-p", STORY, "--prefill-response", ", there was",
+                             "-n", "16", "--no-stats")  # fmt: skip
+    assert code == 0, err
+    code, joined, _ = run_cli("generate", "-p", STORY + ", there was", "-n", "16", "--no-stats")
+    assert out == joined
+    from mlx_dflash.models.target import load_target
+    from mlx_dflash.prompts import encode_prompt
+
+    path = write_tiny_target(tmp_path / "t", "qwen3")
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+        "{% if not loop.last or m['role'] != 'assistant' %}<|end|>{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = load_target(path).tokenizer
+    text = tok.decode(encode_prompt(tok, "Hi", prefill_response="Sure, 1 2"))
+    assert text.endswith("<|user|>Hi<|end|><|assistant|>Sure, 1 2")
+
+
+def test_every_mlx_lm_flag_is_taken_or_refused_with_its_reason(run_cli):
+    """Issue 51's goal: each flag of mlx_lm.generate / chat / server is ours by the same name,
+    or ends in one sentence naming what to type instead or why not (never 'No such option')."""
+    from mlx_dflash.cli import MLX_LM_FLAGS
+
+    for flag, why in MLX_LM_FLAGS.items():
+        code, out, err = run_cli("generate", "-p", "x", flag, "1")
+        assert (
+            code == 1
+            and not out
+            and err.strip() == f"error: {flag} is mlx-lm's and not taken here: {why}."
+        )
+    taken = ["--model", "--prompt", "--max-tokens", "--temp", "--top-p", "--top-k", "--min-p",
+             "--min-tokens-to-keep", "--xtc-probability", "--xtc-threshold", "--seed",
+             "--extra-eos-token", "--prefill-step-size", "--system-prompt", "--max-kv-size",
+             "--kv-bits", "--kv-group-size", "--quantized-kv-start", "--prompt-cache-file",
+             "--prefill-response", "--verbose"]  # fmt: skip
+    import typer
+
+    from mlx_dflash.cli import app
+
+    command = typer.main.get_command(app).commands["generate"]  # type: ignore[attr-defined]
+    names = {o for p in command.params for o in (*p.opts, *p.secondary_opts)}
+    assert set(taken) <= names, set(taken) - names

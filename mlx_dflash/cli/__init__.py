@@ -68,8 +68,43 @@ def _register() -> None:
 _register()
 
 
+# mlx-lm's flags that are not taken here: what to type instead, or why not (README, "Coming
+# from mlx-lm"), said in one sentence rather than "No such option".
+MLX_LM_FLAGS = {
+    "--draft-model": "here the drafter is a DFlash drafter: --drafter (found for known targets)",
+    "--num-draft-tokens": "here --budget N (or auto) sizes what a round verifies",
+    "--ignore-chat-template": "here it is --no-chat-template",
+    "--log-level": "here serve --verbose logs every request",
+    "--decode-concurrency": "here it is serve --max-batch",
+    "--prompt-cache-size": "here it is serve --prefix-cache-sessions",
+    "--prompt-cache-bytes": "here it is serve --prefix-cache-mb",
+    "--chat-template-args": "here --thinking/--no-thinking, or a request's chat_template_kwargs",
+    "--chat-template-config": "the model's own chat template is used (or none: --no-chat-template)",
+    "--use-default-chat-template": "the model's own chat template is used",
+    "--pipeline": "a target is sharded over several Macs with mlx.launch (README, Several Macs)",
+    "--adapter-path": "a LoRA adapter would change the target its drafter was trained for",
+    "--trust-remote-code": "nothing here runs a model's own code: targets are mlx-lm modules",
+    "--image": "only text targets run here",
+    "--quantize-activations": "quantized activations are not supported here yet",
+    "--allowed-origins": "serve answers agents on this machine, without CORS",
+    "--prompt-concurrency": "a long prompt's chunks already interleave with the batch's rounds",
+}
+
+
+def _mlx_lm_flag(args: list[str]) -> str | None:
+    """One sentence for the first mlx-lm flag in `args` that is not taken here, else None."""
+    for arg in args:
+        name = arg.split("=", 1)[0]
+        if name in MLX_LM_FLAGS:
+            return f"{name} is mlx-lm's and not taken here: {MLX_LM_FLAGS[name]}."
+    return None
+
+
 def main() -> None:
     try:
+        said = _mlx_lm_flag(sys.argv[1:])
+        if said is not None:
+            raise DFlashError(said)
         app()
     except DFlashError as e:
         msg = str(e).strip()

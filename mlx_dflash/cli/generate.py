@@ -46,6 +46,13 @@ def generate_command(
         help="Prompt text, or '-' to read stdin.",
         rich_help_panel=PROMPT,
     ),
+    prefill_response: str = typer.Option(
+        None,
+        "--prefill-response",
+        metavar="TEXT",
+        help="The start of the answer, which the model continues.",
+        rich_help_panel=PROMPT,
+    ),
     prompt_file: str = typer.Option(
         None,
         "--prompt-file",
@@ -134,7 +141,8 @@ def generate_command(
     cfg = dataclasses.replace(cfg, grammar=grammar)
     session = Session(target, runner if cfg.uses_drafter else None, kv, max_kv_size)
     if saved is None:
-        ids = encode_prompt(target.tokenizer, prompt, chat_template, system, thinking)
+        ids = encode_prompt(target.tokenizer, prompt, chat_template, system, thinking,
+                            prefill_response)  # fmt: skip
     else:
         ids = cached_prompt(session, saved, arrays, prompt, system, thinking)
     ends = stop_ids(target.tokenizer) | opts.token_ids(target.tokenizer, extra_eos)
