@@ -228,3 +228,19 @@ def test_a_pasted_message_is_one_turn_and_a_backslash_continues():
     typed = iter(["goes on", "and ends"])
     msg = join_message("starts \\", lambda: None, lambda: next(typed))
     assert msg == "starts \ngoes on" and next(typed) == "and ends"
+
+
+def test_a_terminal_answer_breaks_between_words():
+    """At 80 columns a streamed answer broke inside words ("couldn" / "'t"); the terminal's
+    answer is now broken at spaces, whatever pieces the text streams in."""
+    from mlx_dflash.cli.chat import WordWrap
+
+    text = ("This cat was very smart and couldn't find it. This cat was very small and "
+            "couldn't find it.\nOne day a supercalifragilisticexpialidocious word came.")  # fmt: skip
+    for pieces in ([text], list(text), [text[i : i + 3] for i in range(0, len(text), 3)]):
+        wrap = WordWrap(24)
+        out = "".join(wrap.feed(p) for p in pieces) + wrap.flush()
+        lines = out.split("\n")
+        assert all(len(line) <= 24 or " " not in line for line in lines), lines
+        assert " ".join(out.split()) == " ".join(text.split())  # nothing lost or added
+        assert "couldn't" in out.split() and any(line.startswith("One day") for line in lines)

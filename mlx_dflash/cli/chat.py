@@ -101,8 +101,47 @@ def _pasted_line() -> str | None:
     return None if line == "" else line.rstrip("\n")
 
 
+class WordWrap:
+    """Streamed text broken at spaces, never inside a word, for a terminal `width` wide: a
+    word is held until it is whole (the next space, or `flush` at the answer's end)."""
+
+    def __init__(self, width: int):
+        self.width, self.col, self.word = max(width, 20), 0, ""
+
+    def feed(self, text: str) -> str:
+        out = []
+        for ch in text:
+            if not ch.isspace():
+                self.word += ch
+                continue
+            out.append(self._word())
+            if ch == "\n":
+                out.append("\n")
+                self.col = 0
+            elif self.col < self.width:  # a space at the line's end is the line break
+                out.append(ch)
+                self.col += 1
+        return "".join(out)
+
+    def _word(self) -> str:
+        word, self.word = self.word, ""
+        if not word:
+            return ""
+        if self.col and self.col + len(word) > self.width:
+            self.col = len(word)
+            return "\n" + word
+        self.col += len(word)
+        return word
+
+    def flush(self) -> str:
+        out = self._word()
+        self.col = 0
+        return out
+
+
 class RichIO:
-    """A terminal: a coloured prompt, line editing, streamed answers, dim stats."""
+    """A terminal: a coloured prompt, line editing, streamed answers (broken between words),
+    dim stats."""
 
     def __init__(self):
         from rich.console import Console
@@ -110,6 +149,7 @@ class RichIO:
         with contextlib.suppress(ImportError):
             import readline  # noqa: F401  (line editing and history for input())
         self.console = Console(highlight=False)
+        self.wrap = WordWrap(self.console.width)
 
     def read(self) -> str | None:
         while True:
@@ -123,10 +163,13 @@ class RichIO:
                 self.console.print("\n[dim](/exit or Ctrl-D quits)[/]")
 
     def write(self, text: str) -> None:
-        self.console.print(text, end="", markup=False, style="cyan", soft_wrap=True)
+        text = self.wrap.feed(text)
+        if text:
+            self.console.print(text, end="", markup=False, style="cyan", soft_wrap=True)
 
     def end_answer(self, line: str) -> None:
-        self.console.print()
+        rest = self.wrap.flush()
+        self.console.print(rest, markup=False, style="cyan", soft_wrap=True)
         self.console.print(f"[dim]{line}[/]")
 
     def info(self, text: str) -> None:
