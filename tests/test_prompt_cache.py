@@ -34,17 +34,29 @@ def rounds(session, ids, **kw):
 
 
 @pytest.mark.parametrize(
-    "kind, kv",
-    [("llama", None), ("qwen3_5", None), ("qwen3", KVQuantization(4, 64, 20))],
+    "kind, kv, max_kv",
+    [
+        ("llama", None, None),
+        ("qwen3_5", None, None),
+        ("qwen3", KVQuantization(4, 64, 20), None),
+        ("qwen3", None, 24),
+        ("gemma4-31b", None, None),
+    ],
 )
-def test_a_saved_session_goes_on_as_the_one_that_saved_it(kind, kv, tmp_path):
-    """Target caches (KV, recurrent, quantized KV) and the drafter's context survive the file:
-    the restored session decodes the same tokens with the same acceptance, and prefills only
-    the new part of the prompt."""
-    target = load_target(write_tiny_target(tmp_path / kind, kind, head_dim=64))
+def test_a_saved_session_goes_on_as_the_one_that_saved_it(kind, kv, max_kv, tmp_path):
+    """Target caches (KV, recurrent, quantized, rotating, sliding-window) and the drafter's
+    context survive the file: the restored session decodes the same tokens with the same
+    acceptance, and prefills only the new part of the prompt."""
+    if kind.startswith("gemma"):
+        from families import write_family
+
+        folder = write_family(tmp_path / kind, kind)
+    else:
+        folder = write_tiny_target(tmp_path / kind, kind, head_dim=64)
+    target = load_target(folder)
     diversify(target.model)
     runner = random_drafter(target)
-    first = Session(target, runner, kv=kv)
+    first = Session(target, runner, kv, max_kv)
     prefill(first, PREFIX, GenerationConfig(mode="ddtree"))
     first.mark_prompt_end()
     meta = prompt_cache.CacheFile(model="m", model_config="x", drafter=None, drafter_config=None,
@@ -53,12 +65,13 @@ def test_a_saved_session_goes_on_as_the_one_that_saved_it(kind, kv, tmp_path):
     prompt_cache.save(path, first, meta)
     saved, arrays = prompt_cache.read(path)
     assert saved.tokens == PREFIX and saved.kv == (None if kv is None else kv.__dict__)
-    saved.model_config = str(prompt_cache.config_hash(tmp_path / kind))
-    second = Session(target, random_drafter(target).__class__(runner.drafter, target), kv=kv)
-    prompt_cache.restore(second, saved, arrays, tmp_path / kind)
-    other = KVQuantization(8, 64, 20) if kv is None else None
-    with pytest.raises(DFlashError, match="This prompt cache was made with --kv-bits"):
-        prompt_cache.restore(Session(target, kv=other), saved, arrays, tmp_path / kind)
+    saved.model_config = str(prompt_cache.config_hash(folder))
+    second = Session(target, type(runner)(runner.drafter, target), kv, max_kv)
+    prompt_cache.restore(second, saved, arrays, folder)
+    if max_kv is None and not kind.startswith("gemma"):  # (a KV setting the file does not hold)
+        other = KVQuantization(8, 64, 20) if kv is None else None
+        with pytest.raises(DFlashError, match="This prompt cache was made with --kv-bits"):
+            prompt_cache.restore(Session(target, kv=other), saved, arrays, folder)
     want = rounds(first, PREFIX + MORE)
     got = rounds(second, PREFIX + MORE)
     assert got == want and got[2] == len(MORE)
