@@ -37,29 +37,83 @@ def cached_prompt(session, saved, arrays, prompt: str, system, thinking) -> list
     return list(saved.tokens) + continuation(tokenizer, prompt, templated, **kwargs)
 
 
+PROMPT_TEXT = typer.Option(
+    None, "--prompt", "-p", metavar="TEXT", help="Prompt text, or '-' to read stdin.",
+    rich_help_panel=PROMPT,
+)  # fmt: skip
+PREFILL_RESPONSE = typer.Option(
+    None, "--prefill-response", metavar="TEXT",
+    help="The start of the answer, which the model continues.", rich_help_panel=PROMPT,
+)  # fmt: skip
+PROMPT_FILE = typer.Option(
+    None, "--prompt-file", metavar="FILE", help="Read the prompt from a file.",
+    rich_help_panel=PROMPT,
+)  # fmt: skip
+MAX_TOKENS = typer.Option(
+    256, "--max-tokens", "-n", min=1, metavar="N", help="Tokens to generate at most.",
+    rich_help_panel=OUT,
+)  # fmt: skip
+EXTRA_EOS = typer.Option(
+    [], "--extra-eos-token", metavar="TOKEN",
+    help="A token (text or id) that also ends the answer; repeatable.", rich_help_panel=OUT,
+)  # fmt: skip
+STOP = typer.Option(
+    [], "--stop", metavar="TEXT", help="End the answer before this text; repeatable.",
+    rich_help_panel=OUT,
+)  # fmt: skip
+VERBOSE = typer.Option(
+    None, "--verbose", metavar="BOOL",
+    help="mlx-lm's: False drops the stats line (as --no-stats).", rich_help_panel=OUT,
+)  # fmt: skip
+AS_JSON = typer.Option(
+    False, "--json", help="Print text and stats as one JSON object.", rich_help_panel=OUT
+)
+NO_STATS = typer.Option(False, "--no-stats", help="Do not print the stats line.",
+                        rich_help_panel=OUT)  # fmt: skip
+
+
+def stream(session, ids, cfg, world, stop: list[str], show: bool) -> tuple[str, Stats]:
+    """Generate, printing the text as it comes on rank 0 when `show`; the text (cut before the
+    first --stop string) and the last chunk's running totals."""
+    stats, text = Stats(), []
+    cut = StopStrings(stop)  # (every rank decodes the same text, so all stop at one chunk)
+    for chunk in stream_generate(session, ids, cfg):
+        stats = chunk.stats
+        piece, hit = cut.feed(chunk.text)
+        if stats.finish and not hit:
+            piece += cut.flush()
+        text.append(piece)
+        world.beat()
+        if world.is_main and show:  # only rank 0 prints
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        if hit:
+            stats.finish = "stop"
+            break
+    return "".join(text), stats
+
+
+def json_result(text: str, stats: Stats, cfg, runner, world) -> dict:
+    """--json's object: the text, what ran, the stats and the drafter it ran with."""
+    ran = runner if cfg.uses_drafter else None
+    return {
+        "text": text,
+        "mode": cfg.mode,
+        "budget": cfg.budget,
+        "lookup": cfg.lookup,
+        "configuration": describe(cfg, runner),
+        **stats.to_dict(),
+        "drafter": None if ran is None else {**ran.cfg.describe(), "block_used": ran.block_size},
+        "lookup_corpus": cfg.lookup_corpus or None,
+        "world_size": world.size,
+        "host_decisions": {"broadcasts": world.collectives, "bytes": world.bytes_agreed},
+    }
+
+
 def generate_command(
-    prompt: str = typer.Option(
-        None,
-        "--prompt",
-        "-p",
-        metavar="TEXT",
-        help="Prompt text, or '-' to read stdin.",
-        rich_help_panel=PROMPT,
-    ),
-    prefill_response: str = typer.Option(
-        None,
-        "--prefill-response",
-        metavar="TEXT",
-        help="The start of the answer, which the model continues.",
-        rich_help_panel=PROMPT,
-    ),
-    prompt_file: str = typer.Option(
-        None,
-        "--prompt-file",
-        metavar="FILE",
-        help="Read the prompt from a file.",
-        rich_help_panel=PROMPT,
-    ),
+    prompt: str = PROMPT_TEXT,
+    prefill_response: str = PREFILL_RESPONSE,
+    prompt_file: str = PROMPT_FILE,
     model: str = opts.MODEL,
     drafter: str = opts.DRAFTER,
     chat_template: bool = opts.CHAT_TEMPLATE,
@@ -87,42 +141,12 @@ def generate_command(
     json_schema: str = opts.JSON_SCHEMA,
     regex: str = opts.REGEX,
     lark: str = opts.LARK,
-    max_tokens: int = typer.Option(
-        256,
-        "--max-tokens",
-        "-n",
-        min=1,
-        metavar="N",
-        help="Tokens to generate at most.",
-        rich_help_panel=OUT,
-    ),
-    extra_eos: list[str] = typer.Option(
-        [],
-        "--extra-eos-token",
-        metavar="TOKEN",
-        help="A token (text or id) that also ends the answer; repeatable.",
-        rich_help_panel=OUT,
-    ),
-    stop: list[str] = typer.Option(
-        [],
-        "--stop",
-        metavar="TEXT",
-        help="End the answer before this text; repeatable.",
-        rich_help_panel=OUT,
-    ),
-    verbose: str = typer.Option(
-        None,
-        "--verbose",
-        metavar="BOOL",
-        help="mlx-lm's: False drops the stats line (as --no-stats).",
-        rich_help_panel=OUT,
-    ),
-    as_json: bool = typer.Option(
-        False, "--json", help="Print text and stats as one JSON object.", rich_help_panel=OUT
-    ),
-    quiet_stats: bool = typer.Option(
-        False, "--no-stats", help="Do not print the stats line.", rich_help_panel=OUT
-    ),
+    max_tokens: int = MAX_TOKENS,
+    extra_eos: list[str] = EXTRA_EOS,
+    stop: list[str] = STOP,
+    verbose: str = VERBOSE,
+    as_json: bool = AS_JSON,
+    quiet_stats: bool = NO_STATS,
 ) -> None:
     """Generate text with DFlash / DDTree speculative decoding (or plain decoding: --mode ar)."""
     prompt = opts.read_prompt(prompt, prompt_file)
@@ -138,7 +162,6 @@ def generate_command(
     )
     world = distributed.init()  # several ranks under mlx.launch: a sharded target
     target, runner, cfg = opts.load_settled(flags, model, drafter, world)
-    cfg = dataclasses.replace(cfg, grammar=grammar)
     session = Session(target, runner if cfg.uses_drafter else None, kv, max_kv_size)
     if saved is None:
         ids = encode_prompt(target.tokenizer, prompt, chat_template, system, thinking,
@@ -146,43 +169,18 @@ def generate_command(
     else:
         ids = cached_prompt(session, saved, arrays, prompt, system, thinking)
     ends = stop_ids(target.tokenizer) | opts.token_ids(target.tokenizer, extra_eos)
-    cfg = dataclasses.replace(cfg, stop_ids=ends)
+    cfg = dataclasses.replace(cfg, grammar=grammar, stop_ids=ends)
     notes = [opts.context_note(target, len(ids), cfg.max_tokens)]
     if system and not use_template(target.tokenizer, chat_template):
         notes.append("note: without a chat template, --system goes before the prompt as text.")
     for note in notes:
         if note and world.is_main:
             typer.echo(note, err=True)
-    stats, text = Stats(), []  # (stats: the last chunk's running totals)
-    cut = StopStrings(stop)  # (every rank decodes the same text, so all stop at one chunk)
-    for chunk in stream_generate(session, ids, cfg):
-        stats = chunk.stats
-        piece, hit = cut.feed(chunk.text)
-        if stats.finish and not hit:
-            piece += cut.flush()
-        text.append(piece)
-        world.beat()
-        if world.is_main and not as_json:  # only rank 0 prints
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-        if hit:
-            stats.finish = "stop"
-            break
+    text, stats = stream(session, ids, cfg, world, stop, show=not as_json)
     if not world.is_main:
         return
     if as_json:
-        ran = runner if cfg.uses_drafter else None
-        extra = {
-            "drafter": None
-            if ran is None
-            else {**ran.cfg.describe(), "block_used": ran.block_size},
-            "lookup_corpus": cfg.lookup_corpus or None,
-            "world_size": world.size,
-            "host_decisions": {"broadcasts": world.collectives, "bytes": world.bytes_agreed},
-        }
-        what = {"mode": cfg.mode, "budget": cfg.budget, "lookup": cfg.lookup}
-        what["configuration"] = describe(cfg, runner)
-        print(json.dumps({"text": "".join(text), **what, **stats.to_dict(), **extra}))
+        print(json.dumps(json_result(text, stats, cfg, runner, world)))
         return
     sys.stdout.write("\n")
     quiet = quiet_stats or str(verbose).lower() in ("false", "0", "no", "off")

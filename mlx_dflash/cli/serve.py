@@ -30,16 +30,42 @@ KEEP_ANSWERS = typer.Option(
 )
 
 
+THINKING = typer.Option(
+    None, "--thinking/--no-thinking",
+    help="Default enable_thinking for chat templates that have the switch (requests may "
+    "override it with chat_template_kwargs).", rich_help_panel=opts.TEMPLATE,
+)  # fmt: skip
+MAX_TOKENS = typer.Option(
+    512, "--max-tokens", "-n", min=1, metavar="N",
+    help="Answer length when a request does not say.", rich_help_panel=opts.OUTPUT,
+)  # fmt: skip
+HOST = typer.Option(
+    "127.0.0.1", "--host", help="Address to bind (0.0.0.0 exposes the server to the network).",
+    rich_help_panel=SERVER,
+)  # fmt: skip
+PORT = typer.Option(8080, "--port", min=0, max=65535, help="0: any free port.",
+                    rich_help_panel=SERVER)  # fmt: skip
+API_KEY = typer.Option(
+    None, "--api-key", envvar="DFLASH_MLX_API_KEY", help="Require 'Authorization: Bearer KEY'.",
+    rich_help_panel=SERVER,
+)  # fmt: skip
+NAME = typer.Option(
+    None, "--served-model-name", help="Model id clients use (default: the model's name).",
+    rich_help_panel=SERVER,
+)  # fmt: skip
+CACHE_MB = typer.Option(2048, "--prefix-cache-mb", min=0,
+                        help="Memory for cached prompt prefixes.", rich_help_panel=SERVER)  # fmt: skip
+CACHE_SESSIONS = typer.Option(
+    8, "--prefix-cache-sessions", min=1, help="Cached prompt prefixes kept at most.",
+    rich_help_panel=SERVER,
+)  # fmt: skip
+VERBOSE = typer.Option(False, "--verbose", help="Log every request.", rich_help_panel=SERVER)
+
+
 def serve_command(
     model: str = opts.MODEL,
     drafter: str = opts.DRAFTER,
-    thinking: bool = typer.Option(
-        None,
-        "--thinking/--no-thinking",
-        help="Default enable_thinking for chat templates that have the switch (requests may "
-        "override it with chat_template_kwargs).",
-        rich_help_panel=opts.TEMPLATE,
-    ),
+    thinking: bool = THINKING,
     prefill_step_size: int = opts.PREFILL,
     max_kv_size: int = opts.MAX_KV_SIZE,
     kv_bits: int = opts.KV_BITS,
@@ -58,55 +84,15 @@ def serve_command(
     min_tokens_to_keep: int = opts.MIN_TOKENS_TO_KEEP,
     xtc_probability: float = opts.XTC_PROBABILITY,
     xtc_threshold: float = opts.XTC_THRESHOLD,
-    max_tokens: int = typer.Option(
-        512,
-        "--max-tokens",
-        "-n",
-        min=1,
-        metavar="N",
-        help="Answer length when a request does not say.",
-        rich_help_panel=opts.OUTPUT,
-    ),
-    host: str = typer.Option(
-        "127.0.0.1",
-        "--host",
-        help="Address to bind (0.0.0.0 exposes the server to the network).",
-        rich_help_panel=SERVER,
-    ),
-    port: int = typer.Option(
-        8080, "--port", min=0, max=65535, help="0: any free port.", rich_help_panel=SERVER
-    ),
-    api_key: str = typer.Option(
-        None,
-        "--api-key",
-        envvar="DFLASH_MLX_API_KEY",
-        help="Require 'Authorization: Bearer KEY'.",
-        rich_help_panel=SERVER,
-    ),
-    name: str = typer.Option(
-        None,
-        "--served-model-name",
-        help="Model id clients use (default: the model's name).",
-        rich_help_panel=SERVER,
-    ),
+    max_tokens: int = MAX_TOKENS,
+    host: str = HOST,
+    port: int = PORT,
+    api_key: str = API_KEY,
+    name: str = NAME,
     max_batch: int = MAX_BATCH,
-    cache_mb: int = typer.Option(
-        2048,
-        "--prefix-cache-mb",
-        min=0,
-        help="Memory for cached prompt prefixes.",
-        rich_help_panel=SERVER,
-    ),
-    cache_sessions: int = typer.Option(
-        8,
-        "--prefix-cache-sessions",
-        min=1,
-        help="Cached prompt prefixes kept at most.",
-        rich_help_panel=SERVER,
-    ),
-    verbose: bool = typer.Option(
-        False, "--verbose", help="Log every request.", rich_help_panel=SERVER
-    ),
+    cache_mb: int = CACHE_MB,
+    cache_sessions: int = CACHE_SESSIONS,
+    verbose: bool = VERBOSE,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, messages)."""
     from .. import distributed
