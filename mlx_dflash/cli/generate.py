@@ -43,7 +43,7 @@ PROMPT_TEXT = typer.Option(
 )  # fmt: skip
 PREFILL_RESPONSE = typer.Option(
     None, "--prefill-response", metavar="TEXT",
-    help="The start of the answer, which the model continues.", rich_help_panel=PROMPT,
+    help="The answer's start, which the model continues.", rich_help_panel=PROMPT,
 )  # fmt: skip
 PROMPT_FILE = typer.Option(
     None, "--prompt-file", metavar="FILE", help="Read the prompt from a file.",
@@ -55,18 +55,18 @@ MAX_TOKENS = typer.Option(
 )  # fmt: skip
 EXTRA_EOS = typer.Option(
     [], "--extra-eos-token", metavar="TOKEN",
-    help="A token (text or id) that also ends the answer; repeatable.", rich_help_panel=OUT,
+    help="A token (text or id) that ends the answer too.", rich_help_panel=OUT,
 )  # fmt: skip
 STOP = typer.Option(
-    [], "--stop", metavar="TEXT", help="End the answer before this text; repeatable.",
+    [], "--stop", metavar="TEXT", help="End the answer before TEXT (repeatable).",
     rich_help_panel=OUT,
 )  # fmt: skip
 VERBOSE = typer.Option(
     None, "--verbose", metavar="BOOL",
-    help="mlx-lm's: False drops the stats line (as --no-stats).", rich_help_panel=OUT,
+    help="False: no stats line (mlx-lm's).", rich_help_panel=OUT,
 )  # fmt: skip
 AS_JSON = typer.Option(
-    False, "--json", help="Print text and stats as one JSON object.", rich_help_panel=OUT
+    False, "--json", help="Text and stats as one JSON object.", rich_help_panel=OUT
 )
 NO_STATS = typer.Option(False, "--no-stats", help="Do not print the stats line.",
                         rich_help_panel=OUT)  # fmt: skip

@@ -63,19 +63,20 @@ MIN_P = typer.Option(
     min=0.0,
     max=1.0,
     metavar="P",
-    help="Drop tokens less probable than P times the most probable (0 = off).",
+    help="Drop tokens under P times the top one's probability (0: off).",
+    show_default=False,
     rich_help_panel=SAMPLING,
 )
 XTC_PROBABILITY = typer.Option(
     0.0, "--xtc-probability", min=0.0, max=1.0, metavar="P",
-    help="XTC: how often a draw excludes the top choices (0 = off).", rich_help_panel=SAMPLING,
+    help="XTC: how often a draw drops the top choices (0: off).", show_default=False, rich_help_panel=SAMPLING,
 )  # fmt: skip
 XTC_THRESHOLD = typer.Option(
     0.1, "--xtc-threshold", min=0.0, max=0.5, metavar="P",
-    help="XTC: the probability a top choice has.", rich_help_panel=SAMPLING,
+    help="XTC: what counts as a top choice.", rich_help_panel=SAMPLING,
 )  # fmt: skip
 MIN_TOKENS_TO_KEEP = typer.Option(
-    1, "--min-tokens-to-keep", min=1, metavar="N", help="What --min-p keeps at least.",
+    1, "--min-tokens-to-keep", min=1, metavar="N", help="What --min-p keeps at least.", show_default=False,
     rich_help_panel=SAMPLING,
 )  # fmt: skip
 MODE = typer.Option(
@@ -141,8 +142,7 @@ LOOKUP_CORPUS = typer.Option(
     None,
     "--lookup-corpus",
     metavar="FILE|none",
-    help="The target's past answers, JSONL, for lookup (docs/lookup.md). Default: the "
-    "drafter's own, where it ships one.",
+    help="Past answers (JSONL) for lookup (docs/lookup.md); default: the drafter's.",
     rich_help_panel=SPECULATION,
 )
 KV_BITS = typer.Option(
