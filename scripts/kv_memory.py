@@ -105,5 +105,6 @@ def main() -> None:
         print(f"{r['kv']:<20}{r['kv_bytes'] / 1e6:>9.1f}{ratio:>9.3f}{r['peak_memory_gb']:>9.2f}"
               f"{ratio16:>15.3f}{r['seconds']:>9.1f}  {same}", flush=True)  # fmt: skip
 
+
 if __name__ == "__main__":
     main()
