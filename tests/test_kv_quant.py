@@ -52,6 +52,48 @@ def float_greedy(target, prompt, n):
     return [int(t) for t, _ in steps]
 
 
+def saved_target(folder, kind: str, **overrides):
+    """(folder, target): a tiny target whose folder holds diversified weights, for the CLI and
+    serve to load as they would a user's."""
+    from mlx_lm.utils import save_model
+
+    path = write_tiny_target(folder, kind, **overrides)
+    target = load_target(path)
+    diversify(target.model)
+    save_model(path, target.model)
+    return path, target
+
+
+def until_eos(target, ids: list[int]) -> str:
+    """The text of greedy ids up to the first end of text (where serve's answer stops)."""
+    eos = target.tokenizer.eos_token_id
+    return target.tokenizer.decode(ids[: ids.index(eos)] if eos in ids else ids)
+
+
+def served_batch(tmp_path, path, prompts: list[str], n: int, **config):
+    """serve (ddtree rows batched, a random drafter) answering `prompts` at once: the texts and
+    the cache types of a session it kept."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_serve import openai, serving
+
+    from mlx_dflash.models.tiny import drafter_config_dict, write_drafter_checkpoint
+
+    cfg = json.loads((path / "config.json").read_text())
+    drafter = write_drafter_checkpoint(
+        tmp_path / "d", drafter_config_dict("toplevel_block_size", cfg, block_size=8)
+    )
+    with serving(str(path), str(drafter), mode="ddtree", max_batch=4, **config) as (app, url):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+        def ask(p):
+            return client.completions.create(model="tiny", prompt=p, max_tokens=n).choices[0]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            texts = [c.text for c in pool.map(ask, prompts)]
+        return texts, {type(c) for c in app.pool.idle[0].cache}
+
+
 # start 0: quantized from the first forward on; 20: inside the prompt (a prefill chunk of
 # 16 crosses it); 39: the prompt's last token (its own forward in mlx-lm, quantized); 45 and
 # 52: during generation, where verifies cross it.
@@ -122,12 +164,7 @@ def test_targets_it_cannot_quantize_are_refused_in_one_sentence(tmp_path):
 def test_the_flags_on_generate_as_mlx_lm_reads_them(run_cli, tmp_path):
     """generate --kv-bits / --kv-group-size / --quantized-kv-start: mlx-lm's output, and a
     head dimension the group does not divide is one sentence, before any output."""
-    from mlx_lm.utils import save_model
-
-    path = write_tiny_target(tmp_path / "t", "llama", head_dim=64)
-    target = load_target(path)
-    diversify(target.model)
-    save_model(path, target.model)  # (its folder now holds the diversified weights)
+    path, target = saved_target(tmp_path / "t", "llama", head_dim=64)
     prompt = list(range(3, 30))
     ids = " ".join(map(str, prompt))
     kv = KVQuantization(4, 32, 10)
@@ -148,36 +185,14 @@ def test_the_flags_on_generate_as_mlx_lm_reads_them(run_cli, tmp_path):
 def test_serve_batches_quantized_rows_as_mlx_lm_decodes_them(tmp_path):
     """serve --kv-bits: each answer of a batch (ddtree rounds of several requests in one
     packed forward) is mlx-lm's with the same settings."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from mlx_lm.utils import save_model
-    from test_serve import openai, serving
-
-    from mlx_dflash.models.tiny import drafter_config_dict, write_drafter_checkpoint
-
-    path = write_tiny_target(tmp_path / "t", "qwen3", head_dim=64)
-    target = load_target(path)
-    diversify(target.model)
-    save_model(path, target.model)
-    cfg = json.loads((path / "config.json").read_text())
-    drafter = write_drafter_checkpoint(
-        tmp_path / "d", drafter_config_dict("toplevel_block_size", cfg, block_size=8)
-    )
+    path, target = saved_target(tmp_path / "t", "qwen3", head_dim=64)
     kv = KVQuantization(4, 64, 12)
     prompts = [" ".join(map(str, range(i, i + 14))) for i in (3, 40, 90)]
     want = []
     for p in prompts:
         ids = mlx_lm_greedy(target, target.tokenizer.encode(p), 20, kv)
-        eos = target.tokenizer.eos_token_id
-        want.append(target.tokenizer.decode(ids[: ids.index(eos)] if eos in ids else ids))
+        want.append(until_eos(target, ids))
         assert ids != float_greedy(target, target.tokenizer.encode(p), 20)
-    with serving(str(path), str(drafter), mode="ddtree", kv=kv, max_batch=4) as (app, url):
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-
-        def ask(p):
-            return client.completions.create(model="tiny", prompt=p, max_tokens=20).choices[0]
-
-        with ThreadPoolExecutor(3) as pool:
-            got = [c.text for c in pool.map(ask, prompts)]
-        assert all(isinstance(c, QuantizedKVCache) for c in app.pool.idle[0].cache)
+    got, kinds = served_batch(tmp_path, path, prompts, 20, kv=kv)
+    assert kinds == {QuantizedKVCache}
     assert got == want

@@ -11,6 +11,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import RotatingKVCache
 from oracle import OracleDrafter, diversify
 from test_engine import PROMPT, run
+from test_kv_quant import saved_target, served_batch, until_eos
 
 from mlx_dflash.engine import Session
 from mlx_dflash.errors import DFlashError
@@ -83,12 +84,7 @@ def test_the_flag_on_generate_and_a_prompt_cache_keep_it(run_cli, tmp_path):
     the file takes the size from it, or refuses another."""
     import json
 
-    from mlx_lm.utils import save_model
-
-    path = write_tiny_target(tmp_path / "t", "qwen3")
-    target = load_target(path)
-    diversify(target.model)
-    save_model(path, target.model)
+    path, target = saved_target(tmp_path / "t", "qwen3")
     text = " ".join(map(str, range(3, 40)))
     ids = target.tokenizer.encode(text)
     want = mlx_lm_greedy(target, ids, 24, 20, prefill=512)
@@ -111,36 +107,12 @@ def test_the_flag_on_generate_and_a_prompt_cache_keep_it(run_cli, tmp_path):
 
 def test_serve_batches_rotating_rows_as_mlx_lm_decodes_them(tmp_path):
     """serve --max-kv-size: each answer of a batch of ddtree rows is mlx-lm's."""
-    import json
-    from concurrent.futures import ThreadPoolExecutor
-
-    from mlx_lm.utils import save_model
-    from test_serve import openai, serving
-
     from mlx_dflash.models.cache import RotatingKVCache as Ours
-    from mlx_dflash.models.tiny import drafter_config_dict, write_drafter_checkpoint
 
-    path = write_tiny_target(tmp_path / "t", "qwen3")
-    target = load_target(path)
-    diversify(target.model)
-    save_model(path, target.model)
-    cfg = json.loads((path / "config.json").read_text())
-    drafter = write_drafter_checkpoint(
-        tmp_path / "d", drafter_config_dict("toplevel_block_size", cfg, block_size=8)
-    )
+    path, target = saved_target(tmp_path / "t", "qwen3")
     prompts = [" ".join(map(str, range(i, i + 14))) for i in (3, 40, 90)]
-    want = []
-    for p in prompts:
-        ids = mlx_lm_greedy(target, target.tokenizer.encode(p), 24, 16, prefill=512)
-        eos = target.tokenizer.eos_token_id
-        want.append(target.tokenizer.decode(ids[: ids.index(eos)] if eos in ids else ids))
-    with serving(str(path), str(drafter), mode="ddtree", max_kv_size=16, max_batch=4) as (app, url):
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-
-        def ask(p):
-            return client.completions.create(model="tiny", prompt=p, max_tokens=24).choices[0]
-
-        with ThreadPoolExecutor(3) as pool:
-            got = [c.text for c in pool.map(ask, prompts)]
-        assert all(isinstance(c, Ours) for c in app.pool.idle[0].cache)
+    want = [until_eos(target, mlx_lm_greedy(target, target.tokenizer.encode(p), 24, 16, 512))
+            for p in prompts]  # fmt: skip
+    got, kinds = served_batch(tmp_path, path, prompts, 24, max_kv_size=16)
+    assert kinds == {Ours}
     assert got == want
