@@ -122,6 +122,12 @@ def encode_prompt(
     return render(tokenizer, msgs, system, templated, **kwargs)
 
 
+def xtc_special_ids(tokenizer) -> tuple[int, ...]:
+    """What XTC never excludes: a newline and the end-of-text tokens (mlx-lm's)."""
+    newline = tokenizer.encode("\n", add_special_tokens=False)
+    return tuple(newline) + tuple(sorted(stop_ids(tokenizer)))
+
+
 def stop_ids(tokenizer) -> frozenset[int]:
     """The tokens that end an answer: the tokenizer's end-of-sequence ids."""
     ids = set(getattr(tokenizer, "eos_token_ids", None) or [])

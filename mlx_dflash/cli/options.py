@@ -14,7 +14,7 @@ from ..engine import GenerationConfig, SamplingParams
 from ..engine.choice import default_mode
 from ..engine.session import speculates
 from ..errors import DFlashError
-from ..prompts import stop_ids
+from ..prompts import xtc_special_ids
 
 # Help panels (`--help` groups the flags under these titles).
 MODEL_PANEL, TEMPLATE, KV_PANEL, SPECULATION, SAMPLING, STRUCTURED, OUTPUT = (
@@ -316,11 +316,8 @@ def xtc_special(cfg: GenerationConfig, target) -> GenerationConfig:
     """XTC never excludes a newline or an end of text (mlx-lm's special tokens for it)."""
     if not cfg.sampling.xtc_probability:
         return cfg
-    tok = target.tokenizer
-    special = list(tok.encode("\n", add_special_tokens=False)) + sorted(stop_ids(tok))
-    return dataclasses.replace(
-        cfg, sampling=dataclasses.replace(cfg.sampling, xtc_special=tuple(special))
-    )
+    special = xtc_special_ids(target.tokenizer)
+    return dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, xtc_special=special))
 
 
 def load_settled(flags: Flags, model, drafter, world):

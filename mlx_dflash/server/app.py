@@ -11,7 +11,7 @@ from typing import Any
 from ..distributed import LOCAL
 from ..engine import GenerationConfig, SamplingParams
 from ..engine.corpus import live_corpus
-from ..prompts import has_template, render, stop_ids
+from ..prompts import has_template, render, stop_ids, xtc_special_ids
 from . import protocol as P
 from . import responses as R
 from .kept_answers import open_answer_log
@@ -44,20 +44,12 @@ class ServerConfig:
     keep_answers: str | None = None
 
 
-def xtc_special_ids(tokenizer) -> tuple[int, ...]:
-    """What XTC never excludes: a newline and the end-of-text tokens (mlx-lm's)."""
-    from ..prompts import stop_ids
-
-    return tuple(tokenizer.encode("\n", add_special_tokens=False)) + tuple(
-        sorted(stop_ids(tokenizer))
-    )
-
-
 class App:
     """What the handlers share: the loaded pair, the server's defaults, the worker."""
 
     def __init__(self, target, runner, base: GenerationConfig, config: ServerConfig, world=LOCAL):
         self.target, self.tokenizer, self.config = target, target.tokenizer, config
+        self.xtc_special = xtc_special_ids(self.tokenizer)  # (a request's XTC spares these)
         # The corpus grows with the answers served (Worker._run adds each).
         self.corpus = live_corpus(base.lookup_corpus) if base.lookup else None
         if base.lookup:
@@ -144,7 +136,7 @@ class App:
             s.min_tokens_to_keep,
             s.xtc_probability if req.xtc_probability is None else float(req.xtc_probability),
             s.xtc_threshold if req.xtc_threshold is None else float(req.xtc_threshold),
-            s.xtc_special or xtc_special_ids(self.tokenizer),
+            s.xtc_special or self.xtc_special,
         )
         cfg = job_config(self.base, max_tokens=max_tokens, sampling=sampling, seed=req.seed,
                          logprobs=req.logprobs, grammar=self._grammar(req, thinking))  # fmt: skip
