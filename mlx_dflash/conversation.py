@@ -93,20 +93,8 @@ class Conversation:
         the tokens saved."""
         from . import prompt_cache as pc
 
-        drafter = self.session.drafter
-        folder = getattr(getattr(drafter, "drafter", None), "folder", None)
-        meta = pc.CacheFile(
-            model=model,
-            model_config=str(pc.config_hash(self.session.target.folder)),
-            drafter=None if folder is None else str(folder),
-            drafter_config=pc.config_hash(folder),
-            tokens=[],
-            source="chat",
-            messages=list(self.messages),
-            system=self.system,
-            chat_template=self.templated,
-        )
-        pc.save(path, self.session, meta)
+        pc.save(path, self.session, model, source="chat", messages=list(self.messages),
+                system=self.system, chat_template=self.templated)  # fmt: skip
         return len(self.session.tokens)
 
     def resume(self, meta, arrays) -> None:

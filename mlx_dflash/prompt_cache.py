@@ -51,6 +51,26 @@ def config_hash(folder: str | Path | None) -> str | None:
     return hashlib.sha256((Path(folder) / "config.json").read_bytes()).hexdigest()[:16]
 
 
+def drafter_folder(session) -> Path | None:
+    """Where the session's drafter was loaded from (None: no drafter, or one made in memory)."""
+    return getattr(getattr(session.drafter, "drafter", None), "folder", None)
+
+
+def _format(path: Path) -> str | None:
+    """The `format` a safetensors file's header names, read from the header alone (the file
+    may be gigabytes of weights); None for anything else."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 0 < size < 1 << 24:
+                return None
+            header = json.loads(f.read(size))
+    except (OSError, ValueError):
+        return None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return meta.get("format") if isinstance(meta, dict) else None
+
+
 def check_output(path: str | Path) -> None:
     """Refuse, before any work, a path that cannot take a prompt cache: not .safetensors, in a
     folder that does not exist, or an existing file that is not a prompt cache (a model's
@@ -60,22 +80,28 @@ def check_output(path: str | Path) -> None:
         raise DFlashError(f"{path}: a prompt cache file ends in .safetensors.")
     if not path.parent.is_dir():
         raise DFlashError(f"{path.parent} does not exist (the folder of the prompt cache file).")
-    if path.exists():
-        try:
-            _, text = mx.load(str(path), return_metadata=True)
-        except Exception:  # noqa: BLE001 - unreadable: not ours either
-            text = {}
-        if text.get("format") != FORMAT:
-            raise DFlashError(f"{path} exists and is not a prompt cache; it is left as it is.")
+    if path.exists() and _format(path) != FORMAT:
+        raise DFlashError(f"{path} exists and is not a prompt cache; it is left as it is.")
 
 
-def save(path: str | Path, session, meta: CacheFile) -> None:
-    """Write the session's caches and `meta` to `path` (atomically: a failed write leaves
-    whatever was there)."""
+def save(path: str | Path, session, model: str, **about) -> CacheFile:
+    """Write the session's caches to `path` (atomically: a failed write leaves whatever was
+    there), with what they are for: the target as given (`model`), what made them (`about`:
+    source, messages, system, chat_template) and, read off the session, its target's and
+    drafter's configs, tokens and KV settings. Returns the metadata written."""
     if session.target.stage is not None:
         raise DFlashError("A prompt cache of a target sharded over several machines is not saved.")
+    folder = drafter_folder(session)
+    meta = CacheFile(
+        model=model,
+        model_config=str(config_hash(session.target.folder)),
+        drafter=None if folder is None else str(folder),
+        drafter_config=config_hash(folder),
+        tokens=list(session.tokens),
+        kv=None if session.kv is None else asdict(session.kv),
+        **about,
+    )
     arrays: dict[str, mx.array] = {}
-    meta.layers, meta.drafter_layers = [], []
     for i, c in enumerate(session.cache):
         a, m = c.saved()
         arrays.update({f"t{i}.{k}": v for k, v in a.items()})
@@ -85,12 +111,11 @@ def save(path: str | Path, session, meta: CacheFile) -> None:
             a, m = c.saved()
             arrays.update({f"d{i}.{k}": v for k, v in a.items()})
             meta.drafter_layers.append({"type": type(c).__name__, **m})
-    meta.tokens = list(session.tokens)
-    meta.kv = None if session.kv is None else asdict(session.kv)
     text = {"format": FORMAT, "meta": json.dumps(asdict(meta))}
     path = Path(path)
     check_output(path)
     atomic_file(path, lambda tmp: mx.save_safetensors(tmp, arrays, metadata=text))
+    return meta
 
 
 def read(path: str | Path) -> tuple[CacheFile, dict[str, mx.array]]:
@@ -127,8 +152,8 @@ def restore(session, meta: CacheFile, arrays: dict[str, mx.array], target_folder
         raise DFlashError("A prompt cache is read into a fresh session only.")
     _fill(session.cache, meta.layers, arrays, "t")
     drafter = session.drafter
-    folder = getattr(getattr(drafter, "drafter", None), "folder", None)
-    if drafter is not None and meta.drafter_layers and config_hash(folder) == meta.drafter_config:
+    same = config_hash(drafter_folder(session)) == meta.drafter_config
+    if drafter is not None and meta.drafter_layers and same:
         _fill(drafter.cache, meta.drafter_layers, arrays, "d")
     session.tokens = list(meta.tokens)
 

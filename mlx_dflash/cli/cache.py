@@ -63,17 +63,8 @@ def cache_command(
     session = Session(target, runner, kv, max_kv_size)
     t0 = time.perf_counter()
     prefill(session, ids, cfg)
-    folder = None if runner is None else runner.drafter.folder
-    meta = prompt_cache.CacheFile(
-        model=model or str(DEFAULT_TARGET),
-        model_config=str(prompt_cache.config_hash(target.folder)),
-        drafter=None if folder is None else str(folder),
-        drafter_config=prompt_cache.config_hash(folder),
-        tokens=[],
-        system=system,
-        chat_template=templated,
-    )
-    prompt_cache.save(out, session, meta)
+    prompt_cache.save(out, session, model or str(DEFAULT_TARGET), system=system,
+                      chat_template=templated)  # fmt: skip
     if world.is_main:
         dt = time.perf_counter() - t0
         print(f"Saved {len(ids)} tokens' caches to {out} ({len(ids) / dt:.1f} tokens/s).",
