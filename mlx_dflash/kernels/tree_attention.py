@@ -116,6 +116,16 @@ def ancestor_mask(parents: Any, prefix_len: int) -> mx.array:
     return anc
 
 
+def tree_mask(masks: dict | None, parents: Any, prefix_len: int) -> mx.array:
+    """ancestor_mask(parents, prefix_len), built once per forward: `masks` is the dict the
+    layers of one verify share (None: build it here)."""
+    if masks is None:
+        return ancestor_mask(parents, prefix_len)
+    if prefix_len not in masks:
+        masks[prefix_len] = ancestor_mask(parents, prefix_len)
+    return masks[prefix_len]
+
+
 def _check_shapes(q: mx.array, k: mx.array, v: mx.array, parents_len: int) -> tuple[int, ...]:
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError("q, k and v must be (1, heads, rows, head_dim)")
@@ -143,11 +153,7 @@ def tree_attention_reference(
     """
     p = _parents_array(parents)
     _, _, _, _, prefix = _check_shapes(q, k, v, int(p.shape[0]))
-    mask = None if masks is None else masks.get(prefix)
-    if mask is None:
-        mask = ancestor_mask(p, prefix)
-        if masks is not None:
-            masks[prefix] = mask
+    mask = tree_mask(masks, p, prefix)
     k = k if k.dtype == q.dtype else k.astype(q.dtype)
     v = v if v.dtype == q.dtype else v.astype(q.dtype)
     if use_cpu_attention():

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..kernels.cpu_attention import cpu_attention, use_cpu_attention
-from ..kernels.tree_attention import ancestor_mask, tree_attention
+from ..kernels.tree_attention import ancestor_mask, tree_attention, tree_mask
 from .arena import SlotCache, plan_forward, step_attention
 from .cache import KVCache, QuantizedKVCache, RotatingKVCache, rotating_mask
 from .rows import pad_rows
@@ -213,11 +213,9 @@ def _attend(attn, q, keys, values, start, positions, parents, masks, window, hel
         )
     if plain:
         return tree_attention(q, keys, values, parents, scale, masks)
-    prefix = keys.shape[2] - T
-    if prefix not in masks:
-        masks[prefix] = ancestor_mask(parents, prefix)
+    mask = tree_mask(masks, parents, keys.shape[2] - T)
     return mx.fast.scaled_dot_product_attention(
-        q, keys, values, scale=scale, mask=masks[prefix], sinks=sinks
+        q, keys, values, scale=scale, mask=mask, sinks=sinks
     )
 
 
@@ -247,17 +245,15 @@ def _quantized_sdpa(attn, q, keys, values, quant, parents, masks) -> mx.array:
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
     T = q.shape[2]
-    mask = None
+    mask: mx.array | str | None = None
     if parents is not None:
-        prefix = keys[0].shape[2] - T
-        if prefix not in masks:
-            masks[prefix] = ancestor_mask(parents, prefix)
-        mask = masks[prefix]
+        mask = tree_mask(masks, parents, keys[0].shape[2] - T)
     elif T > 1:
         mask = "causal"
-    return quantized_scaled_dot_product_attention(
-        q, keys, values, _scale(attn), mask, group_size=quant.group_size, bits=quant.bits
-    )
+    return quantized_scaled_dot_product_attention(  # (its body takes "causal" too)
+        q, keys, values, _scale(attn), mask,  # type: ignore[arg-type]
+        group_size=quant.group_size, bits=quant.bits,
+    )  # fmt: skip
 
 
 def _rotate(attn, q, k, start: int, positions):
