@@ -42,8 +42,7 @@ def table(rows: list[dict], title: str) -> Table:
         out.add_column(name, no_wrap=True)
     out.add_column("runs here", overflow="fold")
     for r in rows:
-        kind = f"{r['kind']}"
-        out.add_row(r["target"], r["drafter"], kind, "yes" if r["default"] else "", size(r),
+        out.add_row(r["target"], r["drafter"], r["kind"], "yes" if r["default"] else "", size(r),
                     verdict(r))  # fmt: skip
     return out
 
