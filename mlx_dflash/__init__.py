@@ -38,6 +38,7 @@ from .models.drafter import DrafterRunner, load_drafter  # noqa: E402
 from .models.pair import load_pair  # noqa: E402
 from .models.target import Target, load_target  # noqa: E402
 from .prompts import encode_prompt, render, stop_ids  # noqa: E402
+from .settings import SETTINGS, Settings  # noqa: E402
 
 __all__ = [
     "MODES",
@@ -47,7 +48,9 @@ __all__ = [
     "DrafterRunner",
     "GenerationConfig",
     "Round",
+    "SETTINGS",
     "SamplingParams",
+    "Settings",
     "Session",
     "Stats",
     "Target",

@@ -12,6 +12,8 @@ import glob
 import os
 import sys
 
+from .settings import SETTINGS
+
 CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
     "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -25,8 +27,8 @@ loaded_blas: str | None = None
 
 
 def find_openblas() -> str | None:
-    override = os.environ.get("DFLASH_BLAS")
-    if override:
+    override = SETTINGS.blas
+    if override and override.lower() != "auto":
         return override if os.path.exists(override) else None
     for path in CANDIDATES:
         if os.path.exists(path):
@@ -38,11 +40,7 @@ def find_openblas() -> str | None:
 def load_openblas() -> str | None:
     """Load OpenBLAS globally on Linux; return its path, or None when absent or disabled."""
     global loaded_blas
-    if (
-        loaded_blas
-        or not sys.platform.startswith("linux")
-        or os.environ.get("DFLASH_BLAS") == "off"
-    ):
+    if loaded_blas or not sys.platform.startswith("linux") or SETTINGS.blas.lower() == "off":
         return loaded_blas
     path = find_openblas()
     if path is None:

@@ -31,6 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import DFlashError
+from .settings import SETTINGS
 
 LAUNCH_ENV = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MLX_JACCL_COORDINATOR")
 DEFAULT_TIMEOUT_S = 300.0
@@ -169,10 +170,22 @@ def init(timeout: float | None = None) -> World | LocalWorld:
     group = mx.distributed.init()
     if group.size() < 2:
         return LOCAL
-    env = os.environ.get("DFLASH_MLX_DIST_TIMEOUT")
-    world = World(group, group.rank(), group.size(), float(timeout or env or DEFAULT_TIMEOUT_S))
+    world = World(group, group.rank(), group.size(), timeout or _timeout())
     _install_failure_handling(world)
     return world
+
+
+def _timeout() -> float:
+    """DFLASH_MLX_DIST_TIMEOUT's seconds (settings.py), else DEFAULT_TIMEOUT_S."""
+    try:
+        seconds = float(SETTINGS.dist_timeout or DEFAULT_TIMEOUT_S)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise DFlashError(
+            f"DFLASH_MLX_DIST_TIMEOUT must be a number of seconds, not {SETTINGS.dist_timeout!r}."
+        )
+    return seconds
 
 
 def _die(world: World, why: str) -> None:
@@ -221,9 +234,7 @@ def split(target, world: World | LocalWorld) -> str:
     one process)."""
     if not isinstance(world, World):
         return "none"
-    how = os.environ.get("DFLASH_MLX_PARALLEL", "auto")
-    if how not in ("auto", "tensor", "pipeline"):
-        raise DFlashError(f"DFLASH_MLX_PARALLEL is 'tensor', 'pipeline' or 'auto', not '{how}'.")
+    how = SETTINGS.choice("parallel", ("auto", "tensor", "pipeline"))
     if how == "pipeline" or (how == "auto" and not hasattr(target.model, "shard")):
         pipeline(target, world)
         return "pipeline"
@@ -303,20 +314,21 @@ class Stage:
             for i in range(target.num_layers)
         ]
 
-    def forward(self, target, tokens, cache, start, tree, logits, taps, rewindable):
+    def forward(self, target, p):
+        """Pass p (engine/contract.py) through my layers; logits and taps summed over ranks."""
+        from .models.forward import place, run_layers
+
         g, rank = self.world.group, self.world.rank
-        T, H = tokens.shape[0], target.hidden_size
+        T, H = p.tokens.shape[0], target.hidden_size
         dtype = target.inner.embed_tokens.weight.dtype
         if dtype not in (mx.float32, mx.float16, mx.bfloat16):
             dtype = target.inner.norm.weight.dtype
         if self.first:
-            h = target.embed(tokens[None])
+            h = target.embed(p.tokens[None])
         else:
             h = mx.distributed.recv((1, T, H), dtype, rank - 1, group=g)
-        tap_set = set(target.tap_ids) if taps else set()
-        h, tapped = target.run_layers(
-            h, range(self.lo, self.hi), cache, start, tree, tap_set, rewindable
-        )
+        h, tapped = run_layers(target, h, range(self.lo, self.hi), [place(p)])
+        logits = p.logits
         if not self.last:
             h = mx.distributed.send(h, rank + 1, group=g)
         dep = h.reshape(-1)[:1].astype(mx.float32) * 0  # orders what follows after the send
@@ -330,7 +342,7 @@ class Stage:
             out_logits = mx.distributed.all_sum(mine, group=g)
             dep = out_logits[:1, :1] * 0
         out_taps = None
-        if tap_set:
+        if p.taps and target.tap_ids:
             parts = [
                 tapped[t].astype(mx.float32) if t in tapped else mx.zeros((T, H), mx.float32)
                 for t in target.tap_ids

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
 from pathlib import Path
+
+from .settings import SETTINGS
 
 ASSETS = Path(__file__).parent / "assets"
 DEFAULT_TARGET = ASSETS / "stories260K"
@@ -15,8 +16,8 @@ DEFAULT_DRAFTER = ASSETS / "stories260K-dflash"
 
 
 def cache_root() -> Path:
-    """$DFLASH_MLX_CACHE, else ~/.cache/dflash-mlx."""
-    return Path(os.environ.get("DFLASH_MLX_CACHE", Path.home() / ".cache" / "dflash-mlx"))
+    """$DFLASH_MLX_CACHE (settings.py), else ~/.cache/dflash-mlx."""
+    return Path(SETTINGS.cache or Path.home() / ".cache" / "dflash-mlx")
 
 
 def profile_key(target) -> str:

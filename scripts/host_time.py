@@ -51,6 +51,7 @@ from mlx_dflash import GenerationConfig, Session, generate_rounds, load_pair
 from mlx_dflash.engine.batch import run_rows
 from mlx_dflash.engine.grammar import GrammarSpec
 from mlx_dflash.models.drafter import DrafterRunner
+from mlx_dflash.engine.contract import Pass
 
 ANY_TEXT = GrammarSpec("regex", r"(?s:.{0,2000})")  # allows everything: the matcher's cost alone
 
@@ -89,8 +90,8 @@ def device_ms(target, drafter, ids, tree_size: int, reps: int = 5) -> float:
     for _ in range(reps + 1):  # the first one warms up
         toks = mx.array(ids[: max(1, tree_size)] * (tree_size // max(1, len(ids)) + 1))[:tree_size]
         logits, taps = target.forward(
-            toks, session.cache, start, parents=np.arange(-1, tree_size - 1)
-        )
+            [Pass(toks, session.cache, start, parents=np.arange(-1, tree_size - 1))]
+        )[0]
         props = drafter.propose(ids[-1], start, drafter.block_size - 1) if drafter else None
         arrays = [logits, taps] + ([props.logits] if props is not None else [])
         t0 = time.perf_counter()

@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_dflash.models.target import load_target
+from mlx_dflash.engine.contract import Pass
 
 TREE = np.array([-1, 0, 0, 1, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])  # 16 nodes, depth 12
 
@@ -34,14 +35,16 @@ def main() -> None:
     target = load_target(args.model)
     ids = mx.array(np.arange(args.context) % 1000, dtype=mx.int32)
     cache = target.make_cache()
-    logits, _ = target.forward(ids, cache, 0, logits="last", taps=False, rewindable=False)
+    logits, _ = target.forward([Pass(ids, cache, 0, logits="last", taps=False, rewindable=False)])[
+        0
+    ]
     mx.eval(logits, [c.state_arrays for c in cache])
     for c in cache:
         c.snapshot()
 
     def once(n: int, parents) -> float:
         t0 = time.perf_counter()
-        out, _ = target.forward(ids[:n], cache, args.context, parents=parents)
+        out, _ = target.forward([Pass(ids[:n], cache, args.context, parents=parents)])[0]
         mx.eval(out)
         for c in cache:
             c.trim(args.context)

@@ -1,4 +1,4 @@
-"""B rows' drafter passes (batched rounds): one packed pass (models/drafter.py propose_packed)
+"""B rows' drafter passes (batched rounds): one packed pass (models/drafter.py propose_rows)
 against B passes of their own, side by side; best of 5, ms each. Each row has its own context
 (a random prompt of its own length through the target).
 
@@ -18,7 +18,8 @@ import mlx.core as mx
 import numpy as np
 from verify_cost import best_time  # scripts/ is on the path when a script runs
 
-from mlx_dflash.models.drafter import DrafterRunner, load_drafter, propose_packed
+from mlx_dflash.engine.contract import Pass
+from mlx_dflash.models.drafter import DrafterRunner, load_drafter, propose_rows
 from mlx_dflash.models.target import load_target
 
 
@@ -54,13 +55,13 @@ def main() -> None:
         runners, requests = [], []
         for r in range(rows):
             ids = rng.integers(100, 20000, a.context + 17 * r).tolist()
-            _, taps = target.forward(mx.array(ids), target.make_cache(), 0)
+            _, taps = target.forward([Pass(mx.array(ids), target.make_cache(), 0)])[0]
             runner = DrafterRunner(drafter, target)
             runner.add_context(taps)
             runners.append(runner)
             requests.append((ids[-1], len(ids), n))
         alone = 1000 * best_time(evaluated(partial(each_alone, runners, requests)), 5, True)
-        packed = 1000 * best_time(evaluated(partial(propose_packed, runners, requests)), 5, True)
+        packed = 1000 * best_time(evaluated(partial(propose_rows, runners, requests)), 5, True)
         print(f"| {rows} | {alone:.1f} ms | {packed:.1f} ms |", flush=True)
 
 

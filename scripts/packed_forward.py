@@ -18,7 +18,7 @@ import numpy as np
 from mlx_lm import load
 from mlx_lm.models.cache import BatchKVCache
 
-from mlx_dflash.models.packed import Pass
+from mlx_dflash.engine.contract import Pass
 from mlx_dflash.models.target import load_target
 
 
@@ -30,7 +30,9 @@ def our_rows(target, rows: int, context: int) -> list[list]:
     caches = []
     for r in range(rows):
         cache = target.make_cache()
-        target.forward(mx.array(prompt(r, context + 7 * r)), cache, 0, logits="none", taps=False)
+        target.forward(
+            [Pass(mx.array(prompt(r, context + 7 * r)), cache, 0, logits="none", taps=False)]
+        )[0]
         mx.eval([a for c in cache for a in c.state_arrays])
         caches.append(cache)
     return caches
@@ -39,7 +41,7 @@ def our_rows(target, rows: int, context: int) -> list[list]:
 def our_step(target, caches: list[list], token: int) -> float:
     passes = [Pass(mx.array([token]), c, c[0].offset, None, "last", False, False) for c in caches]
     t0 = time.perf_counter()
-    out = target.forward_rows(passes)
+    out = target.forward(passes)
     mx.eval([logits for logits, _ in out])
     dt = time.perf_counter() - t0
     for cache in caches:  # back to the context: every repeat measures the same step

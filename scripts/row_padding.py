@@ -15,12 +15,13 @@ import mlx_dflash  # noqa: F401  (first: OpenBLAS must load before mlx)
 import mlx.core as mx
 import numpy as np
 
+from mlx_dflash.engine.contract import Pass
 from mlx_dflash.models.target import load_target
 
 
 def timed(target, cache, context: int, n: int) -> float:
     t0 = time.perf_counter()
-    logits, _ = target.forward(mx.array([7] * n), cache, context, logits="all")
+    logits, _ = target.forward([Pass(mx.array([7] * n), cache, context, logits="all")])[0]
     mx.eval(logits)
     dt = time.perf_counter() - t0
     for c in cache:
@@ -41,7 +42,7 @@ def main() -> None:
         raise SystemExit("No row padding here (Metal, or DFLASH_MLX_ROW_PADDING=0).")
     cache = target.make_cache()
     prompt = [5 + i % 900 for i in range(args.context)]
-    target.forward(mx.array(prompt), cache, 0, logits="none", taps=False)
+    target.forward([Pass(mx.array(prompt), cache, 0, logits="none", taps=False)])[0]
     times: dict[tuple[int, bool], list[float]] = {}
     for _ in range(args.repeats):
         for n in args.sizes:

@@ -22,6 +22,7 @@ from mlx_dflash.kernels import cpu_attention
 from mlx_dflash.kernels import tree_attention as tree_mod
 from mlx_dflash.models import attention as attention_mod
 from mlx_dflash.models.target import load_target
+from mlx_dflash.engine.contract import Pass
 
 
 def best_time(fn, repeats: int, warmup: bool = False) -> float:
@@ -41,15 +42,17 @@ def measure(target, context: int, repeats: int) -> dict[str, float]:
     ids = mx.array(np.arange(context) % (target.vocab_size - 1), dtype=mx.int32)
     for i in range(0, context, 1024):
         logits, _ = target.forward(
-            ids[i : i + 1024], cache, i, logits="last", taps=False, rewindable=False
-        )
+            [Pass(ids[i : i + 1024], cache, i, logits="last", taps=False, rewindable=False)]
+        )[0]
         mx.eval(logits, [c.state_arrays for c in cache])
     for c in cache:
         c.snapshot()
 
     def run(n, parents=None):
         def go():
-            logits, _ = target.forward(ids[:n], cache, context, parents=parents, taps=False)
+            logits, _ = target.forward(
+                [Pass(ids[:n], cache, context, parents=parents, taps=False)]
+            )[0]
             mx.eval(logits)
             for c in cache:
                 c.trim(context)

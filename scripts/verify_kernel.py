@@ -28,6 +28,7 @@ from mlx_dflash.checkpoints.resolve import resolve_model
 from mlx_dflash.engine.device import device_class
 from mlx_dflash.models import quantized as q
 from mlx_dflash.models.target import load_target
+from mlx_dflash.engine.contract import Pass
 
 
 def forced(path: str, layers) -> q.Calibration:
@@ -41,13 +42,13 @@ def forced(path: str, layers) -> q.Calibration:
 def forward_time(target, m: int, context: int = 256, repeats: int = 5) -> float:
     cache = target.make_cache()
     ids = mx.array(np.arange(context + m) % (target.vocab_size - 1), dtype=mx.int32)
-    logits, _ = target.forward(ids[:context], cache, 0, logits="last", taps=False,
-                               rewindable=False)  # fmt: skip
+    logits, _ = target.forward([Pass(ids[:context], cache, 0, logits="last", taps=False,
+                               rewindable=False)])[0]  # fmt: skip
     mx.eval(logits, [c.state_arrays for c in cache])
     best = float("inf")
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
-        logits, _ = target.forward(ids[context:], cache, context, taps=False)
+        logits, _ = target.forward([Pass(ids[context:], cache, context, taps=False)])[0]
         mx.eval(logits)
         best = min(best, time.perf_counter() - t0)
         for c in cache:

@@ -15,6 +15,7 @@ if str(ROOT) not in sys.path:
 
 # Before any test module imports mlx, so OpenBLAS takes over float32 matmul (mlx_dflash/_blas.py).
 import mlx_dflash  # noqa: E402, F401
+from mlx_dflash.settings import SETTINGS, VARIABLES  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -77,6 +78,20 @@ def no_hub(monkeypatch):
     monkeypatch.setattr(convert, "_snapshot_download", offline)
 
 
+def set_setting(patch: pytest.MonkeyPatch, **values: str) -> None:
+    """Change fields of mlx_dflash's SETTINGS (read once from the environment at import),
+    and their variables for the processes a test starts; `patch` undoes both."""
+    for name, value in values.items():
+        patch.setattr(SETTINGS, name, value)
+        patch.setenv(VARIABLES[name][0], value)
+
+
+@pytest.fixture
+def setting(monkeypatch) -> Callable[..., None]:
+    """`setting(row_padding="0")`: SETTINGS changed for this test (see set_setting)."""
+    return lambda **values: set_setting(monkeypatch, **values)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def session_environment(tmp_path_factory):
     """Before any fixture loads a model (module-scoped ones included): caches (verify
@@ -87,12 +102,12 @@ def session_environment(tmp_path_factory):
     (kernels/cpu_math.py), so every exactness test runs through it too. A variable set
     outside the tests wins; a test may set its own."""
     patch = pytest.MonkeyPatch()
-    if "DFLASH_MLX_CACHE" not in os.environ:
-        patch.setenv("DFLASH_MLX_CACHE", str(tmp_path_factory.mktemp("dflash-cache")))
-    if "DFLASH_MLX_ROW_PADDING" not in os.environ:
-        patch.setenv("DFLASH_MLX_ROW_PADDING", "16")
-    if "DFLASH_MLX_NUMPY_MATH" not in os.environ:
-        patch.setenv("DFLASH_MLX_NUMPY_MATH", "1")
+    if not SETTINGS.cache:
+        set_setting(patch, cache=str(tmp_path_factory.mktemp("dflash-cache")))
+    if not SETTINGS.row_padding:
+        set_setting(patch, row_padding="16")
+    if not SETTINGS.numpy_math:
+        set_setting(patch, numpy_math="1")
     # `--budget auto` decodes plainly where a probe timed a verify too dear (budget.
     # speculation_pays). On a tiny test target that verdict is the machine's load, not the
     # model, so the tests' --budget auto always drafts (the probe still runs and is cached);

@@ -25,7 +25,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from oracle import diversify
 
-from mlx_dflash.models.target import model_classes
+from mlx_dflash.models.families import model_classes
 from mlx_dflash.models.tiny import write_tiny_tokenizer
 
 WINDOW = 8  # every shrunk sliding window: the tests decode far past it
@@ -526,3 +526,76 @@ def attention_target(kind: str, path: Path):
         diversify(target.model)
     target.set_taps([0, target.num_layers - 1])
     return target
+
+
+def _tiny(kind: str, **overrides: Any):
+    from mlx_dflash.models.tiny import write_tiny_target
+
+    return lambda path: write_tiny_target(path, kind, **overrides)
+
+
+def _mistral(path: Path) -> Path:
+    """Mistral's config names its own type over Llama's layers (mlx-lm builds it as llama)."""
+    _tiny("llama")(path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(model_type="mistral", architectures=["MistralForCausalLM"])
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path
+
+
+def _named(name: str):
+    return lambda path: write_family(path, name)
+
+
+def _mla(model_type: str):
+    def write(path: Path) -> Path:
+        from test_mla import CONFIGS, build, save_folder
+
+        return save_folder(path, build(CONFIGS[model_type]), CONFIGS[model_type])
+
+    return write
+
+
+def _muse(path: Path) -> Path:
+    from published import write_published
+
+    return write_published(path, "meta-models/Muse-Glimmer-30B", "hf")
+
+
+def _text_only(name: str):
+    """A text-only export: the wrapper's text_config as the whole config.json."""
+
+    def write(path: Path) -> Path:
+        from mlx_lm.utils import save_config, save_model
+
+        cfg = shrink(FAMILIES[name])["text_config"]
+        save_model(path, build(cfg, 0))
+        save_config(cfg, path / "config.json")
+        write_tiny_tokenizer(path, 256)
+        return path
+
+    return write
+
+
+# Every target family models/families.py registers, and the fixture that writes one: a new
+# family is one entry there and one line here (tests/test_families.py checks that every entry
+# has its fixture and that each fixture's forward is mlx-lm's).
+FIXTURES = {
+    "llama": _tiny("llama"),
+    "mistral": _mistral,
+    "qwen2": _tiny("qwen2"),
+    "qwen3": _tiny("qwen3"),
+    "qwen3_moe": _tiny("qwen3_moe"),
+    "qwen3_5": _tiny("qwen3_5"),
+    "qwen3_5_moe": _tiny("qwen3_5_moe"),
+    "qwen3_next": _tiny("qwen3_next"),
+    "deepseek_v3": _mla("deepseek_v3"),
+    "kimi_k25": _mla("kimi_k25"),
+    "muse_glimmer": _muse,
+    "gemma4": _named("gemma4-31b"),
+    "gemma4_text": _text_only("gemma4-31b"),
+    "gpt_oss": _named("gpt-oss-20b"),
+    "minimax": _named("minimax-m2"),
+    "glm4_moe": _named("glm4-moe"),
+    "mimo_v2_flash": _named("mimo-v2-flash"),
+}

@@ -15,6 +15,7 @@ from test_sampling import chi2_pvalue
 
 from mlx_dflash.engine import GenerationConfig, Session, generate_rounds
 from mlx_dflash.engine.batch import run_rows
+from mlx_dflash.engine.contract import Pass
 from mlx_dflash.engine.lattice import LatticeDrafts
 from mlx_dflash.engine.sampling import SamplingParams
 from mlx_dflash.models.arena import SlotCache
@@ -368,7 +369,7 @@ def _drafter(target, **shape):
 def test_packed_drafter_passes_are_each_rows_own(target, shape):
     """Several rows' drafter passes as one: each row's logits (and a DFlash 2 row's lattice)
     are its own pass's."""
-    from mlx_dflash.models.drafter import DrafterRunner, propose_packed
+    from mlx_dflash.models.drafter import DrafterRunner, propose_rows
 
     drafter = _drafter(target, **dict(DRAFTER_SHAPES[shape]))
     if shape == "draft-vocab":
@@ -376,11 +377,11 @@ def test_packed_drafter_passes_are_each_rows_own(target, shape):
     runners, requests = [], []
     for k, prompt in enumerate(PROMPTS[:3]):
         runner = DrafterRunner(drafter, target)
-        _, taps = target.forward(mx.array(prompt), target.make_cache(), 0)
+        _, taps = target.forward([Pass(mx.array(prompt), target.make_cache(), 0)])[0]
         runner.add_context(taps)
         runners.append(runner)
         requests.append((prompt[-1], len(prompt), 7 - k))
-    packed = propose_packed(runners, requests)
+    packed = propose_rows(runners, requests)
     for runner, req, got in zip(runners, requests, packed, strict=True):
         want = runner.propose_alone(*req)
         assert got.logits.shape == want.logits.shape

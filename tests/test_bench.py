@@ -18,6 +18,7 @@ from mlx_dflash.cli import app
 from mlx_dflash.engine.session import DEFAULT_LOOKUP
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.tiny import drafter_config_dict, write_drafter_checkpoint, write_tiny_target
+from mlx_dflash.settings import SETTINGS
 
 METHODS = "mlx-lm,ar,dflash,ddtree:4,ddtree:auto,lookup,ddtree+lookup:auto"
 
@@ -41,7 +42,7 @@ def data_dir(shared_file):
 @pytest.fixture(autouse=True)
 def cache(tmp_path, monkeypatch):
     """Keep the DDTree auto-budget profile out of the user's cache."""
-    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(SETTINGS, "cache", str(tmp_path / "cache"))
 
 
 def bench_args(pair, out):

@@ -17,6 +17,7 @@ from oracle import OracleDrafter, diversify
 from mlx_dflash import distributed
 from mlx_dflash.engine import GenerationConfig, Session, generate_rounds, stream_generate
 from mlx_dflash.engine import device as engine_device
+from mlx_dflash.engine.contract import Pass
 from mlx_dflash.engine.session import MODES
 from mlx_dflash.models.target import load_target
 from mlx_dflash.models.tiny import write_tiny_target
@@ -170,13 +171,13 @@ def test_commit_keeps_a_prefix_or_a_path_and_feeds_the_drafter(target):
     exactly the kept positions' taps."""
     oracle = oracle_for(target)
     session = Session(target, oracle)
-    logits, taps = target.forward(mx.array(PROMPT), session.cache, 0)
+    logits, taps = target.forward([Pass(mx.array(PROMPT), session.cache, 0)])[0]
     session.commit(PROMPT[:10], taps)
     assert session.tokens == PROMPT[:10] and oracle.context_len == 10
     assert all(c.offset == 10 for c in session.cache)
     # A tree of 4 nodes after those 10: root, two children of the root, a grandchild.
     tree = mx.array(PROMPT[10:14])
-    _, taps = target.forward(tree, session.cache, 10, parents=[-1, 0, 0, 2])
+    _, taps = target.forward([Pass(tree, session.cache, 10, parents=[-1, 0, 0, 2])])[0]
     session.commit([PROMPT[10], PROMPT[12], PROMPT[13]], taps, [0, 2, 3])
     assert session.tokens == PROMPT[:11] + PROMPT[12:14] and oracle.context_len == 13
     assert all(c.offset == 13 for c in session.cache)

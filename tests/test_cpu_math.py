@@ -11,12 +11,13 @@ import pytest
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.kernels import cpu_math
 from mlx_dflash.kernels.cpu_attention import cpu_attention
+from mlx_dflash.settings import SETTINGS
 
 
 @pytest.fixture
 def numpy_math(monkeypatch):
     def use(value: str) -> None:
-        monkeypatch.setenv(cpu_math.ENV_VAR, value)
+        monkeypatch.setattr(SETTINGS, "numpy_math", value)
 
     return use
 
@@ -34,7 +35,7 @@ def test_the_setting_decides_where_numpy_computes(numpy_math, monkeypatch):
     monkeypatch.setattr(cpu_math.platform, "machine", lambda: "arm64")  # MLX vectorises there
     assert not cpu_math.enabled()
     numpy_math("yes")
-    with pytest.raises(DFlashError, match="must be auto, 0 or 1"):
+    with pytest.raises(DFlashError, match="DFLASH_MLX_NUMPY_MATH must be one of auto, 0, 1"):
         cpu_math.enabled()
 
 
@@ -93,7 +94,7 @@ def test_feed_forward_takes_numpy_for_mlx_lm_swiglu_mlps_only(numpy_math, monkey
     classes listed take the numpy product."""
     from mlx_lm.models import llama, qwen2, qwen3
 
-    from mlx_dflash.models import target as target_mod
+    from mlx_dflash.models import families
 
     numpy_math("1")
     calls = []
@@ -111,7 +112,7 @@ def test_feed_forward_takes_numpy_for_mlx_lm_swiglu_mlps_only(numpy_math, monkey
     )
     for mlp in (llama.MLP(args), qwen2.MLP(24, 40), qwen3.MLP(24, 40)):
         np.testing.assert_allclose(
-            np.array(target_mod.feed_forward(mlp, x)), np.array(mlp(x)), rtol=1e-5, atol=1e-6
+            np.array(families.feed_forward(mlp, x)), np.array(mlp(x)), rtol=1e-5, atol=1e-6
         )
     assert len(calls) == 3
 
@@ -123,7 +124,7 @@ def test_feed_forward_takes_numpy_for_mlx_lm_swiglu_mlps_only(numpy_math, monkey
         def __call__(self, y):
             return y * 2
 
-    np.testing.assert_array_equal(np.array(target_mod.feed_forward(Other(), x)), np.array(x * 2))
+    np.testing.assert_array_equal(np.array(families.feed_forward(Other(), x)), np.array(x * 2))
     assert len(calls) == 3
 
 

@@ -11,9 +11,12 @@ from oracle import OracleDrafter, diversify
 from test_engine import PROMPT, mlx_lm_greedy, run
 
 from mlx_dflash.engine import Session
+from mlx_dflash.engine.contract import Pass
 from mlx_dflash.engine.tree import build_tree, expected_tokens, top_candidates
-from mlx_dflash.models.target import load_target, tree_depths
+from mlx_dflash.kernels.tree_attention import tree_depths
+from mlx_dflash.models.target import load_target
 from mlx_dflash.models.tiny import TARGET_TYPES, write_tiny_target
+from mlx_dflash.settings import SETTINGS
 
 N = 60
 
@@ -81,16 +84,18 @@ def test_tree_logits_equal_per_path_logits(target):
     tokens = rng.integers(3, target.vocab_size, size=len(parents))
     target.set_taps([0, 2])
     cache = target.make_cache()
-    target.forward(mx.array(PROMPT), cache, 0, logits="none", taps=False)
+    target.forward([Pass(mx.array(PROMPT), cache, 0, logits="none", taps=False)])[0]
     start = len(PROMPT)
-    logits, taps = target.forward(mx.array(tokens), cache, start, parents=parents)
+    logits, taps = target.forward([Pass(mx.array(tokens), cache, start, parents=parents)])[0]
     for i in range(len(parents)):
         path = [i]
         while parents[path[-1]] >= 0:
             path.append(parents[path[-1]])
         path = path[::-1]
         c = target.make_cache()
-        ref_logits, ref_taps = target.forward(mx.array(PROMPT + tokens[path].tolist()), c, 0)
+        ref_logits, ref_taps = target.forward(
+            [Pass(mx.array(PROMPT + tokens[path].tolist()), c, 0)]
+        )[0]
         np.testing.assert_allclose(
             np.array(logits[i]), np.array(ref_logits[-1]), atol=2e-4, rtol=1e-4
         )
@@ -141,7 +146,7 @@ def test_auto_budget_follows_verify_cost():
 
 
 def test_auto_budget_exact_and_profile_cached(target, tmp_path, monkeypatch):
-    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    monkeypatch.setattr(SETTINGS, "cache", str(tmp_path))
     ref = mlx_lm_greedy(target, PROMPT, 40)
     target.set_taps([0, 1])
     oracle = OracleDrafter(PROMPT + ref, target.vocab_size, block_size=8, corrupt=0.3, seed=2)
@@ -292,7 +297,7 @@ def run_with_scripted_pauses(target, taps, pattern, monkeypatch, tmp_path):
     """
     from mlx_dflash.engine.budget import Pacer
 
-    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    monkeypatch.setattr(SETTINGS, "cache", str(tmp_path))
     script = itertools.cycle(pattern)
     monkeypatch.setattr(Pacer, "draft_now", lambda self: next(script) == "T")
     ref = mlx_lm_greedy(target, PROMPT, N)

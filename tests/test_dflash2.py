@@ -27,6 +27,7 @@ from test_sampling import PROMPT as SAMPLING_PROMPT
 from test_sampling import chi2_pvalue, exact_marginals
 
 from mlx_dflash.engine import GenerationConfig, Session, generate_rounds
+from mlx_dflash.engine.contract import Pass
 from mlx_dflash.engine.lattice import Lattice, lattice_tree
 from mlx_dflash.engine.sampling import SamplingParams
 from mlx_dflash.errors import DFlashError
@@ -34,6 +35,7 @@ from mlx_dflash.models.drafter import DrafterRunner, init_drafter, load_drafter
 from mlx_dflash.models.drafter_config import DrafterConfig
 from mlx_dflash.models.target import Target, load_target
 from mlx_dflash.models.tiny import load_module, tiny_target_config
+from mlx_dflash.settings import SETTINGS
 
 PROMPT = list(range(3, 31))
 N = 48
@@ -366,7 +368,7 @@ def test_sliding_window_keeps_only_what_a_block_sees(pair):
     w = runner.cfg.sliding_window
     session = Session(target, runner)
     long = list(range(3, 3 + 5 * w))
-    _, taps = target.forward(mx.array(long), session.cache, 0)
+    _, taps = target.forward([Pass(mx.array(long), session.cache, 0)])[0]
     session.commit(long, taps)
     assert runner.context_len == len(long)
     assert all(c.offset == w - 1 for c in runner.cache)
@@ -393,7 +395,7 @@ def test_one_host_sync_per_round(dense_target, monkeypatch):
     kernels/cpu_math.py: off here)."""
     from mlx_dflash.engine import rounds
 
-    monkeypatch.setenv("DFLASH_MLX_NUMPY_MATH", "0")
+    monkeypatch.setattr(SETTINGS, "numpy_math", "0")
     target = dense_target
     ref = mlx_lm_greedy(target, PROMPT, 24)
     oracle = LatticeOracle(PROMPT + ref, target.vocab_size, block_size=8, seed=1)
@@ -508,7 +510,7 @@ def test_drafts_equal_zlabs_round_for_round(pair, tmp_path):
 
     ours.propose = recording
     out, _ = run(Session(target, ours), PROMPT, max_tokens=40, mode="dflash")
-    _, taps = target.forward(mx.array(PROMPT + out), target.make_cache(), 0)
+    _, taps = target.forward([Pass(mx.array(PROMPT + out), target.make_cache(), 0)])[0]
     assert len(rounds) > 10
     assert np.mean(differs) > 0.2, differs  # the selector moves drafts off the argmax
     bs = ours.block_size

@@ -35,6 +35,7 @@ from test_engine import mlx_lm_greedy, run
 from mlx_dflash.checkpoints.convert import convert_drafter
 from mlx_dflash.checkpoints.read import check_pair, drafter_weight_shapes
 from mlx_dflash.engine import Session
+from mlx_dflash.engine.contract import Pass
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.drafter import DrafterRunner, load_drafter
 from mlx_dflash.models.drafter_config import UNUSED_DFLASH_FIELDS, DrafterConfig
@@ -356,7 +357,7 @@ def test_drafts_equal_the_reference(pair):
     target, raw, folder, cfg, _ = pair
     runner = runner_of(target, raw, folder)
     session = Session(target, runner)
-    _, taps = target.forward(mx.array(PROMPT[:-1]), session.cache, 0)
+    _, taps = target.forward([Pass(mx.array(PROMPT[:-1]), session.cache, 0)])[0]
     session.commit(PROMPT[:-1], taps)
     last, start, n = PROMPT[-1], len(PROMPT) - 1, runner.block_size - 1
     mine = np.array(runner.propose(last, start, n).logits)
@@ -397,7 +398,7 @@ def test_convert_keeps_the_drafts(pair, tmp_path):
     logits = []
     for f in (folder, tmp_path):
         runner = runner_of(target, raw, f)
-        runner.add_context(target.forward(mx.array(PROMPT), target.make_cache(), 0)[1])
+        runner.add_context(target.forward([Pass(mx.array(PROMPT), target.make_cache(), 0)])[0][1])
         logits.append(np.array(runner.propose(PROMPT[-1], len(PROMPT), 3).logits))
     np.testing.assert_array_equal(logits[0], logits[1])
 
@@ -432,7 +433,7 @@ def test_a_tap_of_the_last_layer_is_its_output_before_the_final_norm(targets):
     last decoder layer's output, run here by hand."""
     target, _, _ = targets("qwen3")
     target.set_taps([0, target.num_layers - 1])
-    _, taps = target.forward(mx.array(PROMPT), target.make_cache(), 0)
+    _, taps = target.forward([Pass(mx.array(PROMPT), target.make_cache(), 0)])[0]
     inner = target.model.model
     h = inner.embed_tokens(mx.array(PROMPT)[None])
     for layer in inner.layers:
@@ -519,7 +520,7 @@ def test_training_forward_is_the_inference_forward(pair):
     if drafter.cfg.attention_sink_bias:
         return
     target.set_taps(drafter.cfg.target_layer_ids)
-    _, taps = target.forward(mx.array(PROMPT), target.make_cache(), 0)
+    _, taps = target.forward([Pass(mx.array(PROMPT), target.make_cache(), 0)])[0]
     anchors = [5, 21]
     h = drafter_blocks(drafter, target, taps[None], mx.array([PROMPT]), mx.array([anchors]))
     logits = drafter_logits(drafter.cfg, target, h)

@@ -13,11 +13,13 @@ from mlx_lm.generate import generate_step
 from oracle import OracleDrafter, diversify
 
 from mlx_dflash.engine import GenerationConfig, SamplingParams, Session, generate_rounds
+from mlx_dflash.engine.contract import Pass
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.drafter import DrafterRunner, init_drafter
 from mlx_dflash.models.drafter_config import DrafterConfig
 from mlx_dflash.models.target import load_target
 from mlx_dflash.models.tiny import TARGET_TYPES, write_tiny_target
+from mlx_dflash.settings import SETTINGS
 
 PROMPT = list(range(3, 43))
 N = 80
@@ -87,7 +89,7 @@ def test_draft_vocabulary_restricts_proposals_not_output(target, mode):
     restricted = DrafterRunner(full.drafter, target)
     full.drafter.draft_vocab = None
     for runner in (full, restricted):
-        runner.add_context(target.forward(mx.array(PROMPT), target.make_cache(), 0)[1])
+        runner.add_context(target.forward([Pass(mx.array(PROMPT), target.make_cache(), 0)])[0][1])
     a = np.array(full.propose(PROMPT[-1], len(PROMPT), 7).logits)
     b = np.array(restricted.propose(PROMPT[-1], len(PROMPT), 7).logits)
     np.testing.assert_allclose(b[:, vocab], a[:, vocab], rtol=1e-5, atol=1e-5)
@@ -209,7 +211,7 @@ def test_dflash_round_syncs_with_the_host_once(target, monkeypatch, temperature)
     forward's numpy exponentials sync inside it by design (kernels/cpu_math.py), so off."""
     from mlx_dflash.engine import SamplingParams, rounds
 
-    monkeypatch.setenv("DFLASH_MLX_NUMPY_MATH", "0")
+    monkeypatch.setattr(SETTINGS, "numpy_math", "0")
     calls = {"to_host": 0, "eval": 0}
     real_to_host, real_eval = rounds.to_host, mx.eval
 

@@ -11,16 +11,18 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from families import FAMILIES, SLIDING, WINDOW, build, shrink, write_family
+from families import FAMILIES, FIXTURES, SLIDING, WINDOW, build, shrink, write_family
 from oracle import OracleDrafter
 from test_engine import mlx_lm_greedy, run
 from test_sampling import chi2_pvalue, token_probs
 
 from mlx_dflash.engine import GenerationConfig, Session, generate_rounds
+from mlx_dflash.engine.contract import Pass
 from mlx_dflash.engine.sampling import SamplingParams
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.cache import WindowedKVCache
-from mlx_dflash.models.target import Target, architecture, load_target
+from mlx_dflash.models.families import ARCHITECTURES, architecture
+from mlx_dflash.models.target import Target, load_target
 
 PROMPT = [5, 17, 3, 88, 41, 9, 120, 64, 33, 7, 200, 150, 12, 99, 45, 6, 71, 18, 230, 4]
 N = 48
@@ -36,6 +38,23 @@ def family(request, tmp_path_factory):
     target = load_target(write_family(tmp_path_factory.mktemp(name), name))
     target.set_taps([1, target.num_layers - 1])  # the last layer too, as MiMo's drafter taps
     return name, target, mlx_lm_greedy(target, PROMPT, N)
+
+
+def test_every_registered_family_has_a_fixture():
+    """A family is one ARCHITECTURES entry plus one fixture (tests/families.py FIXTURES)."""
+    assert sorted(FIXTURES) == sorted(ARCHITECTURES)
+
+
+@pytest.mark.parametrize("model_type", sorted(FIXTURES))
+def test_each_familys_forward_is_mlx_lms(model_type, tmp_path):
+    """Each fixture loads as its own family, and our layer loop's logits over a prompt longer
+    than any shrunk sliding window are mlx-lm's own model's: the entry's attention variant,
+    block, embedding and logit transforms and sliding rule are the family's."""
+    target = load_target(FIXTURES[model_type](tmp_path))
+    assert target.model_type == model_type
+    ours, _ = target.forward([Pass(mx.array(PROMPT), target.make_cache(), 0, taps=False)])[0]
+    theirs = target.model(mx.array(PROMPT)[None])[0]
+    np.testing.assert_allclose(np.array(ours), np.array(theirs), rtol=1e-4, atol=1e-4)
 
 
 def test_fixture_is_the_published_config_shrunk():

@@ -15,9 +15,11 @@ from harness_util import (
     star,
 )
 
+from mlx_dflash.engine.contract import Pass
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.kernels import gated_delta as gk
 from mlx_dflash.models import gated_deltanet as hybrid
+from mlx_dflash.settings import SETTINGS
 
 # Kernel and reference see the same rounded inputs and both accumulate in float32, so one
 # tolerance fits every input dtype; only the summation order differs.
@@ -329,16 +331,16 @@ def test_dispatch_without_metal(monkeypatch, small):
     want = gk.tree_recurrence_reference(*args, parents)
     for mode in (None, "auto", "reference", " Reference "):
         if mode is None:
-            monkeypatch.delenv(gk.ENV_VAR, raising=False)
+            monkeypatch.setattr(SETTINGS, gk.SETTING, "")
         else:
-            monkeypatch.setenv(gk.ENV_VAR, mode)
+            monkeypatch.setattr(SETTINGS, gk.SETTING, mode)
         for got, ref in zip(gk.tree_recurrence(*args, parents), want, strict=True):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
         cache = pending_cache(args, parents)
         cache.compact(0, [0, 1])
         assert cache.state.shape == (1, 4, 8, 16)
         assert gk.gdn_backend().startswith("reference")
-    monkeypatch.setenv(gk.ENV_VAR, "metal")
+    monkeypatch.setattr(SETTINGS, gk.SETTING, "metal")
     with pytest.raises(DFlashError, match="Metal"):
         gk.tree_recurrence(*args, parents)
     with pytest.raises(DFlashError, match="Metal"):
@@ -348,7 +350,7 @@ def test_dispatch_without_metal(monkeypatch, small):
 
 def test_dispatch_rejects_unknown_mode(monkeypatch, small):
     args, parents = small
-    monkeypatch.setenv(gk.ENV_VAR, "cuda")
+    monkeypatch.setattr(SETTINGS, gk.SETTING, "cuda")
     with pytest.raises(DFlashError, match=gk.ENV_VAR):
         gk.tree_recurrence(*args, parents)
     assert gk.gdn_backend().startswith("invalid")
@@ -360,7 +362,7 @@ def test_dispatch_picks_kernels_when_metal_is_present(monkeypatch, simulated_met
     path = root_path(parents, 5)
     want_state = gk.replay_reference(args[5], args[1], args[3], want_d, path)
     for mode in ("auto", "metal"):
-        monkeypatch.setenv(gk.ENV_VAR, mode)
+        monkeypatch.setattr(SETTINGS, gk.SETTING, mode)
         y, d = gk.tree_recurrence(*args, parents)
         close(y, want_y)
         close(d, want_d)
@@ -369,14 +371,14 @@ def test_dispatch_picks_kernels_when_metal_is_present(monkeypatch, simulated_met
         close(cache.state[0], want_state)
         assert gk.gdn_backend().startswith("metal")
     assert simulated_metal == ["gdn_tree_verify", "gdn_tape_replay"] * 2
-    monkeypatch.setenv(gk.ENV_VAR, "reference")
+    monkeypatch.setattr(SETTINGS, gk.SETTING, "reference")
     gk.tree_recurrence(*args, parents)
     assert len(simulated_metal) == 4 and "reference" in gk.gdn_backend()
     # shapes the kernels do not take: reference under auto, an error under metal. The replay
     # kernel (one thread per state element) has no Dk limit; it refuses integer keys.
     rng = np.random.default_rng(1)
     wide = make_inputs(rng, 6, 2, 2, 320, 4, mx.float32)
-    monkeypatch.setenv(gk.ENV_VAR, "auto")
+    monkeypatch.setattr(SETTINGS, gk.SETTING, "auto")
     gk.tree_recurrence(*wide, parents)
     assert len(simulated_metal) == 4
     pending_cache(wide, parents).commit(path)
@@ -386,7 +388,7 @@ def test_dispatch_picks_kernels_when_metal_is_present(monkeypatch, simulated_met
     int_keys.pending["k"] = int_k
     int_keys.commit(path)
     assert len(simulated_metal) == 5
-    monkeypatch.setenv(gk.ENV_VAR, "metal")
+    monkeypatch.setattr(SETTINGS, gk.SETTING, "metal")
     with pytest.raises(DFlashError, match="cannot run"):
         gk.tree_recurrence(*wide, parents)
     int_keys = pending_cache(args, parents)
@@ -408,10 +410,12 @@ def test_hybrid_target_verify_through_kernels(monkeypatch, simulated_metal):
     parents = np.array([-1, 0, 0, 1, 1, 2, 3])
     results = {}
     for mode in ("reference", "metal"):
-        monkeypatch.setenv(gk.ENV_VAR, mode)
+        monkeypatch.setattr(SETTINGS, gk.SETTING, mode)
         cache = target.make_cache()
-        target.forward(mx.array(prompt), cache, 0, logits="none", taps=False, rewindable=False)
-        logits, _ = target.forward(mx.array(tokens), cache, len(prompt), parents=parents)
+        target.forward(
+            [Pass(mx.array(prompt), cache, 0, logits="none", taps=False, rewindable=False)]
+        )[0]
+        logits, _ = target.forward([Pass(mx.array(tokens), cache, len(prompt), parents=parents)])[0]
         for c in cache:
             c.compact(len(prompt), [0, 1, 3, 6])
         states = [np.asarray(c.state) for c in cache if isinstance(c, hybrid.RecurrentCache)]
@@ -426,7 +430,7 @@ def test_doctor_reports_gdn_backend(monkeypatch):
     from mlx_dflash.cli import doctor
 
     monkeypatch.setattr(doctor, "matmul_gflops", lambda: 1.0)
-    monkeypatch.setenv(gk.ENV_VAR, "reference")
+    monkeypatch.setattr(SETTINGS, gk.SETTING, "reference")
     assert doctor.report()["gated deltanet"] == gk.gdn_backend()
 
 

@@ -12,6 +12,7 @@ from mlx_lm.generate import generate_step
 
 from mlx_dflash import load_pair
 from mlx_dflash.engine import GenerationConfig, Session, generate_rounds
+from mlx_dflash.engine.contract import Pass
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.tiny import drafter_config_dict, write_drafter_checkpoint, write_tiny_target
 from mlx_dflash.paths import DEFAULT_DRAFTER, DEFAULT_TARGET
@@ -155,17 +156,17 @@ def test_numerics_long_context_verify_vs_single_step(tmp_path):
     prefix = mx.array(rng.integers(3, 256, size=2300))
     block = rng.integers(3, 256, size=16)
     cache = target.make_cache()
-    target.forward(prefix, cache, 0, logits="none", taps=False)
+    target.forward([Pass(prefix, cache, 0, logits="none", taps=False)])[0]
     p = len(prefix)
-    v_logits, v_taps = target.forward(mx.array(block), cache, p)
+    v_logits, v_taps = target.forward([Pass(mx.array(block), cache, p)])[0]
     for c in cache:
         c.trim(p)
-    t_logits, _ = target.forward(mx.array(block), cache, p, parents=np.arange(-1, 15))
+    t_logits, _ = target.forward([Pass(mx.array(block), cache, p, parents=np.arange(-1, 15))])[0]
     for c in cache:
         c.trim(p)
     step_logits = []
     for i, tok in enumerate(block):
-        lg, _ = target.forward(mx.array([int(tok)]), cache, p + i)
+        lg, _ = target.forward([Pass(mx.array([int(tok)]), cache, p + i)])[0]
         step_logits.append(np.array(lg[0]))
     step_logits = np.stack(step_logits)
     scale = np.abs(step_logits).max()

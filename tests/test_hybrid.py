@@ -9,6 +9,7 @@ from oracle import OracleDrafter, diversify
 from test_engine import PROMPT, mlx_lm_greedy, run
 
 from mlx_dflash.engine import GenerationConfig, Session, generate_rounds
+from mlx_dflash.engine.contract import Pass
 from mlx_dflash.models.gated_deltanet import RecurrentCache, conv_window_index
 from mlx_dflash.models.target import Target
 from mlx_dflash.models.tiny import HYBRID_TYPES, load_module, tiny_target_config
@@ -72,7 +73,9 @@ def test_auto_budget_pauses_between_drafts_stay_exact(target, tmp_path, monkeypa
 
 def _prefilled(target, tokens):
     cache = target.make_cache()
-    target.forward(mx.array(tokens), cache, 0, logits="none", taps=False, rewindable=False)
+    target.forward([Pass(mx.array(tokens), cache, 0, logits="none", taps=False, rewindable=False)])[
+        0
+    ]
     return cache
 
 
@@ -99,7 +102,7 @@ def _assert_same_state(cache_a, cache_b):
 def test_linear_verify_restores_accepted_prefix_state(target, accepted):
     block = [7, 21, 40, 11, 99, 5, 17, 3]
     cache = _prefilled(target, PROMPT)
-    target.forward(mx.array(block), cache, len(PROMPT))
+    target.forward([Pass(mx.array(block), cache, len(PROMPT))])[0]
     for c in cache:
         c.trim(len(PROMPT) + accepted + 1)
     _assert_same_state(cache, _prefilled(target, PROMPT + block[: accepted + 1]))
@@ -110,7 +113,7 @@ def test_tree_verify_commits_the_accepted_path(target):
     tokens = [7, 21, 40, 11, 99, 5, 17, 3, 8, 60]
     start = len(PROMPT)
     cache = _prefilled(target, PROMPT)
-    logits, _ = target.forward(mx.array(tokens), cache, start, parents=parents)
+    logits, _ = target.forward([Pass(mx.array(tokens), cache, start, parents=parents)])[0]
     path = [0, 1, 3, 6, 8]
     for c in cache:
         c.compact(start, path)
@@ -121,7 +124,9 @@ def test_tree_verify_commits_the_accepted_path(target):
         while parents[chain[-1]] >= 0:
             chain.append(parents[chain[-1]])
         seq = PROMPT + [tokens[j] for j in reversed(chain)]
-        ref, _ = target.forward(mx.array(seq), target.make_cache(), 0, taps=False, rewindable=False)
+        ref, _ = target.forward(
+            [Pass(mx.array(seq), target.make_cache(), 0, taps=False, rewindable=False)]
+        )[0]
         np.testing.assert_allclose(np.array(logits[i]), np.array(ref[-1]), atol=2e-4, rtol=1e-4)
 
 

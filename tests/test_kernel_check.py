@@ -20,6 +20,7 @@ from mlx_dflash.kernels import gated_delta as gk
 from mlx_dflash.kernels import quantized as _quantized  # noqa: F401  (registers its family)
 from mlx_dflash.kernels import self_check as kernel_check
 from mlx_dflash.kernels import tree_attention as ta
+from mlx_dflash.settings import SETTINGS
 
 
 def fresh(harness):
@@ -48,11 +49,11 @@ def broken(sources):
 def metal(monkeypatch, tmp_path):
     """Metal 'available' to both kernel modules, a verdict cache of this test's own; returns
     a setter for the kernel factory."""
-    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(SETTINGS, "cache", str(tmp_path / "cache"))
     monkeypatch.setattr(ta.mx.metal, "is_available", lambda: True)
     monkeypatch.setattr(gk, "_metal_available", lambda: True)
-    monkeypatch.delenv(ta.ENV_VAR, raising=False)
-    monkeypatch.delenv(gk.ENV_VAR, raising=False)
+    monkeypatch.setattr(SETTINGS, ta.SETTING, "")
+    monkeypatch.setattr(SETTINGS, gk.SETTING, "")
 
     def use(make):
         monkeypatch.setattr(ta.mx.fast, "metal_kernel", make)

@@ -133,6 +133,24 @@ def test_the_engine_reaches_models_through_its_contract_alone():
         assert not defs, f"{p.relative_to(ROOT)}:{defs[0]} forwards attributes (__getattr__)"
 
 
+def test_the_environment_is_read_once_into_settings():
+    """Only settings.py reads os.environ (SETTINGS, at import); distributed.py may ask whether
+    mlx.launch started the process (mlx's own variables, LAUNCH_ENV)."""
+    for p in PKG.rglob("*.py"):
+        if p.name == "settings.py":
+            continue
+        text = p.read_text()
+        lines = text.splitlines()
+        for n in ast.walk(ast.parse(text)):
+            if not (isinstance(n, ast.Attribute) and n.attr in ("environ", "getenv")):
+                continue
+            if getattr(n.value, "id", None) != "os":
+                continue
+            if p.name == "distributed.py" and "LAUNCH_ENV" in lines[n.lineno - 1]:
+                continue
+            raise AssertionError(f"{p.relative_to(ROOT)}:{n.lineno} reads the environment")
+
+
 def test_no_server_module_runs_over_350_lines():
     """One module per wire API, the transport and the request's preparation apart (issue 49)."""
     for p in (PKG / "server").glob("*.py"):

@@ -20,6 +20,7 @@ from mlx_dflash.engine.tree import build_tree, graft, root_only
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.target import Target
 from mlx_dflash.models.tiny import HYBRID_TYPES, TARGET_TYPES, load_module, tiny_target_config
+from mlx_dflash.settings import SETTINGS
 
 # A prompt that repeats itself, as code edits and quotes do.
 PHRASE = [11, 23, 35, 47, 59, 61, 73, 85, 97, 19]
@@ -136,7 +137,7 @@ def test_a_paused_drafter_leaves_lookup_branches_running(target, monkeypatch, tm
     each round as what not drafting earns."""
     from mlx_dflash.engine.budget import Pacer
 
-    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    monkeypatch.setattr(SETTINGS, "cache", str(tmp_path))
     monkeypatch.setattr(lookup_mod, "MIN_NGRAM", 1)  # a branch after almost every token
     monkeypatch.setattr(LookupStats, "expected", lambda self, length: float(length))
     monkeypatch.setattr(Pacer, "draft_now", lambda self: False)
@@ -166,7 +167,7 @@ def test_rounds_that_skip_the_drafter_for_lookup_stay_exact(target, monkeypatch,
     drafter still gets their context); with every other round skipping, output is exact."""
     from mlx_dflash.engine.budget import AutoBudget
 
-    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    monkeypatch.setattr(SETTINGS, "cache", str(tmp_path))
     monkeypatch.setattr(lookup_mod, "MIN_NGRAM", 1)
     flips = itertools.cycle([True, False])
     monkeypatch.setattr(AutoBudget, "lookup_suffices", lambda self, *a: next(flips))

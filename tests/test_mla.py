@@ -19,6 +19,7 @@ from mlx_dflash.models.cache import KVCache
 from mlx_dflash.models.mla import mla_attention
 from mlx_dflash.models.target import Target, load_target
 from mlx_dflash.models.tiny import write_tiny_tokenizer
+from mlx_dflash.settings import SETTINGS
 
 N = 48
 
@@ -163,7 +164,7 @@ CONFIGS = {"kimi_k25": shrink(KIMI_K25), "deepseek_v3": shrink(deepseek_v3_text(
 def build(cfg: dict, seed: int = 0):
     from mlx_lm.utils import _get_classes
 
-    from mlx_dflash.models.target import model_classes
+    from mlx_dflash.models.families import model_classes
 
     model_cls, args_cls = model_classes(cfg)
     assert (model_cls, args_cls) == _get_classes(
@@ -519,7 +520,7 @@ def test_published_kimi_pair_found_checked_and_exact(tmp_path, monkeypatch):
         "target_layer_ids": _published_taps(text["num_hidden_layers"], 2),
     }
     hub = {"z-lab/Kimi-K2.5-DFlash": write_drafter_checkpoint(tmp_path / "zlab", small)}
-    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(SETTINGS, "cache", str(tmp_path / "cache"))
     monkeypatch.setattr(convert_mod, "_snapshot_download", lambda r: str(hub[r]))
     monkeypatch.setattr(convert_mod, "_download_config", lambda r: str(hub[r] / "config.json"))
     (target, runner), ref = clear_of_ties(

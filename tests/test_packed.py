@@ -1,4 +1,4 @@
-"""Packed forwards (models/packed.py): several sessions' passes (a causal block, a tree, a
+"""Packed forwards (models/forward.py): several sessions' passes (a causal block, a tree, a
 plain step, a prefill chunk) run as one forward give each row what its own forward gives,
 and leave every cache as its own forward would, in every attention family."""
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from families import attention_target
 
-from mlx_dflash.models.packed import Pass
+from mlx_dflash.engine.contract import Pass
 
 PROMPTS = [list(range(3, 3 + n)) for n in (14, 23, 9)]
 TREE = np.array([-1, 0, 0, 1, 1, 2, 3], dtype=np.int32)
@@ -37,7 +37,9 @@ def sessions(target):
     caches = []
     for prompt in PROMPTS:
         cache = target.make_cache()
-        target.forward(mx.array(prompt), cache, 0, logits="none", taps=False, rewindable=False)
+        target.forward(
+            [Pass(mx.array(prompt), cache, 0, logits="none", taps=False, rewindable=False)]
+        )[0]
         caches.append(cache)
     return caches + [target.make_cache()]
 
@@ -53,12 +55,9 @@ def passes(caches) -> list[Pass]:
 
 
 def test_each_row_gets_its_own_forward(target):
-    alone = [
-        target.forward(p.tokens, p.cache, p.start, p.parents, p.logits, p.taps, p.rewindable)
-        for p in passes(sessions(target))
-    ]
+    alone = [target.forward([p])[0] for p in passes(sessions(target))]
     packed_caches = sessions(target)
-    packed = target.forward_rows(passes(packed_caches))
+    packed = target.forward(passes(packed_caches))
     for (l1, t1), (l2, t2) in zip(alone, packed, strict=True):
         assert (l1 is None) == (l2 is None) and (t1 is None) == (t2 is None)
         if l1 is not None:
@@ -72,10 +71,14 @@ def test_each_row_gets_its_own_forward(target):
              for c, p, n in zip(packed_caches, PROMPTS + [[]], (5, 7, 1, 12), strict=True)]  # fmt: skip
     ref_caches = sessions(target)
     for p in passes(ref_caches):
-        target.forward(p.tokens, p.cache, p.start, p.parents, p.logits, p.taps, p.rewindable)
+        target.forward([p])[0]
     for step, ref_cache in zip(steps, ref_caches, strict=True):
-        got, _ = target.forward(step.tokens, step.cache, step.start, logits="last", taps=False)
-        want, _ = target.forward(step.tokens, ref_cache, step.start, logits="last", taps=False)
+        got, _ = target.forward(
+            [Pass(step.tokens, step.cache, step.start, logits="last", taps=False)]
+        )[0]
+        want, _ = target.forward(
+            [Pass(step.tokens, ref_cache, step.start, logits="last", taps=False)]
+        )[0]
         assert close(got, want)
 
 
@@ -90,7 +93,7 @@ def test_rows_sharing_a_kv_arena_get_their_own_forward(target):
         extra = []
         for prompt in (PROMPTS[1][:5], PROMPTS[0][2:]):
             cache = t.make_cache()
-            t.forward(mx.array(prompt), cache, 0, logits="none", taps=False)
+            t.forward([Pass(mx.array(prompt), cache, 0, logits="none", taps=False)])[0]
             extra.append(cache)
         return sessions(t) + extra
 
@@ -113,22 +116,22 @@ def test_rows_sharing_a_kv_arena_get_their_own_forward(target):
             layer.compact(len(PROMPTS[1]), [0, 1, 3])
 
     ref = caches_of(target)
-    want = [target.forward(p.tokens, p.cache, p.start, p.parents, p.logits, p.taps, p.rewindable)
+    want = [target.forward([p])[0]
             for p in first(ref)]  # fmt: skip
     commit(ref)
-    want2 = [target.forward(p.tokens, p.cache, p.start, logits="last", taps=False)[0]
+    want2 = [target.forward([Pass(p.tokens, p.cache, p.start, logits="last", taps=False)])[0][0]
              for p in second(ref)]  # fmt: skip
 
     arena, got_caches = target.new_arena(), caches_of(target)
     spare = target.make_cache()
-    target.forward(mx.array([3, 4]), spare, 0, logits="none", taps=False)
+    target.forward([Pass(mx.array([3, 4]), spare, 0, logits="none", taps=False)])[0]
     # Slot 1 is free (the rows' slots are not in packed order), and row 3 keeps its own
     # cache (as a row too long for the arena does) among the arena's rows.
     adopted = [arena.adopt(c) for c in [got_caches[5], spare, *got_caches[:3], got_caches[4]]]
     arena.release(spare)
-    got = target.forward_rows(first(got_caches))
+    got = target.forward(first(got_caches))
     commit(got_caches)
-    got2 = [lg for lg, _ in target.forward_rows(second(got_caches))]
+    got2 = [lg for lg, _ in target.forward(second(got_caches))]
     for (l1, t1), (l2, t2) in zip(want, got, strict=True):
         assert (l1 is None) == (l2 is None)
         if l1 is not None:

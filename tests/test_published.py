@@ -30,7 +30,8 @@ from published import (
 from mlx_dflash.checkpoints import convert as convert_mod
 from mlx_dflash.checkpoints.registry import DRAFTERS
 from mlx_dflash.engine import GenerationConfig, Session, generate_rounds
-from mlx_dflash.models.target import model_classes
+from mlx_dflash.models.families import model_classes
+from mlx_dflash.settings import SETTINGS
 
 PROMPT = list(range(3, 43))
 N = 40
@@ -66,7 +67,7 @@ def hub(tmp_path_factory):
 
 @pytest.fixture
 def served(hub, monkeypatch, tmp_path):
-    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(SETTINGS, "cache", str(tmp_path / "cache"))
     calls = []
 
     def snapshot(repo_id):

@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten
 from mlx_dflash.kernels import quantized as qk
 from mlx_dflash.kernels import self_check
 from mlx_dflash.models import quantized as q
+from mlx_dflash.settings import SETTINGS
 
 
 def run(harness, x, w, s, b, group, bits, splits=None):
@@ -157,7 +158,7 @@ def test_a_kernel_that_disagrees_is_never_admitted():
 
 
 def test_the_choice_is_cached_per_model_and_machine(tmp_path, monkeypatch):
-    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    monkeypatch.setattr(SETTINGS, "cache", str(tmp_path))
     from mlx_dflash.models.target import load_target
     from mlx_dflash.models.tiny import write_tiny_target
 

@@ -12,6 +12,7 @@ import pytest
 from oracle import diversify
 
 from mlx_dflash.engine import GenerationConfig, Session, generate_rounds
+from mlx_dflash.engine.contract import Pass
 from mlx_dflash.models.drafter import DrafterRunner, init_drafter, load_drafter
 from mlx_dflash.models.target import load_target
 from mlx_dflash.models.tiny import write_tiny_target
@@ -59,7 +60,7 @@ def test_block_logits_equal_zlabs(pair):
     agree with the reference's (float32, to rounding)."""
     target, ours, model, _, theirs = pair
     session = Session(target, ours)
-    _, taps = target.forward(mx.array(PROMPT[:-1]), session.cache, 0)
+    _, taps = target.forward([Pass(mx.array(PROMPT[:-1]), session.cache, 0)])[0]
     session.commit(PROMPT[:-1], taps)
     last, start, n = PROMPT[-1], len(PROMPT) - 1, ours.block_size - 1
     mine = ours.propose(last, start, n).logits

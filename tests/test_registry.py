@@ -15,6 +15,7 @@ from mlx_dflash.checkpoints.registry import DRAFTERS, PAIRS, base_name, find_dra
 from mlx_dflash.checkpoints.resolve import cached_path, resolve_model
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.tiny import drafter_config_dict, write_drafter_checkpoint, write_tiny_target
+from mlx_dflash.settings import SETTINGS
 
 
 @pytest.mark.parametrize("target", list(DRAFTERS))
@@ -58,7 +59,7 @@ def test_unknown_target_asks_for_drafter(name):
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     root = tmp_path / "cache"
-    monkeypatch.setenv("DFLASH_MLX_CACHE", str(root))
+    monkeypatch.setattr(SETTINGS, "cache", str(root))
     return root
 
 
@@ -255,7 +256,7 @@ def test_published_fixtures_agree_with_the_registry():
     from published import TARGETS
     from test_mla import KIMI_K25
 
-    from mlx_dflash.models.target import architecture
+    from mlx_dflash.models.families import architecture
 
     fixtures = {**TARGETS, "moonshotai/Kimi-K2.5": KIMI_K25}
     for target_id, cfg in fixtures.items():
@@ -273,11 +274,11 @@ def test_refusal_follows_the_loaders(monkeypatch):
     """Support is asked of the loaders at call time: a family dropped from ARCHITECTURES turns
     its rows into refusals naming it, and a drafter kind the drafter code stops recognising
     refuses its pairs naming the architecture; nothing in the registry says what runs."""
-    from mlx_dflash.models import drafter_config, target
+    from mlx_dflash.models import drafter_config, families
 
     qwen3 = [p for p in PAIRS if p.model_type == "qwen3"]
     assert qwen3 and all(refusal(p) is None for p in qwen3)
-    monkeypatch.delitem(target.ARCHITECTURES, "qwen3")
+    monkeypatch.delitem(families.ARCHITECTURES, "qwen3")
     for p in qwen3:
         assert "'qwen3'" in refusal(p) and "not supported" in refusal(p)
     assert refusal(next(p for p in PAIRS if p.model_type == "llama")) is None
@@ -337,7 +338,7 @@ def test_models_reads_at_80_columns():
 def test_models_json_is_the_computed_support(run_cli, monkeypatch):
     """--json is the registry's rows, runs as computed; dropping a family from the loader flips
     its rows to refused, naming the family, in the JSON and in the table."""
-    from mlx_dflash.models import target
+    from mlx_dflash.models import families
 
     code, out, err = run_cli("models", "--json")
     assert code == 0, err
@@ -352,7 +353,7 @@ def test_models_json_is_the_computed_support(run_cli, monkeypatch):
     qwen3 = next(r for r in rows if r["target"] == "Qwen/Qwen3-8B")
     assert qwen3["weights_gb"] == {"bf16": 16.0, "8bit": 8.5, "4bit": 4.5}
 
-    monkeypatch.delitem(target.ARCHITECTURES, "qwen3_5")
+    monkeypatch.delitem(families.ARCHITECTURES, "qwen3_5")
     rows = json.loads(run_cli("models", "--json")[1])
     flipped = [r for r in rows if r["model_type"] == "qwen3_5"]
     assert flipped and all(not r["runs"] and "'qwen3_5'" in r["refused"] for r in flipped)

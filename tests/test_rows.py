@@ -12,7 +12,9 @@ import pytest
 from families import attention_target
 from test_packed import KINDS, PROMPTS, passes, sessions
 
+from mlx_dflash.engine.contract import Pass
 from mlx_dflash.models.rows import MAX_ROWS, RowPadding
+from mlx_dflash.settings import SETTINGS
 
 
 def test_a_count_is_padded_only_to_a_clearly_cheaper_one():
@@ -64,12 +66,11 @@ def test_a_padded_forward_gives_each_token_what_an_unpadded_one_does(target):
 
     def run(t):
         caches = sessions(t)
-        outs = [
-            t.forward(p.tokens, p.cache, p.start, p.parents, p.logits, p.taps, p.rewindable)
-            for p in passes(caches)
-        ]
+        outs = [t.forward([p])[0] for p in passes(caches)]
         ends = [len(p) + n for p, n in zip(PROMPTS + [[]], (5, 7, 1, 12), strict=True)]
-        nxt = [t.forward(mx.array([90]), c, e)[0] for c, e in zip(caches, ends, strict=True)]
+        nxt = [
+            t.forward([Pass(mx.array([90]), c, e)])[0][0] for c, e in zip(caches, ends, strict=True)
+        ]
         return outs, nxt, [[getattr(x, "offset", None) for x in c] for c in caches]
 
     (plain, plain_next, plain_offsets), (padded, padded_next, padded_offsets) = _run_both(
@@ -85,7 +86,7 @@ def test_a_padded_forward_gives_each_token_what_an_unpadded_one_does(target):
 
 def test_a_padded_packed_forward_gives_each_row_what_an_unpadded_one_does(target):
     def run(t):
-        return t.forward_rows(passes(sessions(t)))
+        return t.forward(passes(sessions(t)))
 
     plain, padded = _run_both(target, run)
     for (l1, t1), (l2, t2) in zip(plain, padded, strict=True):
@@ -100,11 +101,11 @@ def test_load_target_measures_the_table_once_and_keeps_it(tmp_path, monkeypatch)
     from mlx_dflash.paths import cache_root
 
     folder = write_tiny_target(tmp_path / "t", "llama")
-    monkeypatch.setenv("DFLASH_MLX_ROW_PADDING", "0")
+    monkeypatch.setattr(SETTINGS, "row_padding", "0")
     assert load_target(folder).padding is None
-    monkeypatch.setenv("DFLASH_MLX_ROW_PADDING", "16")
+    monkeypatch.setattr(SETTINGS, "row_padding", "16")
     assert load_target(folder).padding.table == RowPadding.multiple(16).table
-    monkeypatch.setenv("DFLASH_MLX_ROW_PADDING", "auto")
+    monkeypatch.setattr(SETTINGS, "row_padding", "auto")
     measured = []
     real_measure = RowPadding.measure.__func__
 
@@ -131,7 +132,7 @@ def test_quantized_and_half_precision_targets_are_never_padded(monkeypatch):
     from mlx_dflash.models.target import Target
     from mlx_dflash.models.tiny import load_module, tiny_target_config
 
-    monkeypatch.setenv("DFLASH_MLX_ROW_PADDING", "16")
+    monkeypatch.setattr(SETTINGS, "row_padding", "16")
     cfg = tiny_target_config("llama")
     mod = load_module("llama")
 

@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_dflash.engine.contract import Pass
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.drafter import (
     DrafterRunner,
@@ -71,7 +72,7 @@ def test_training_forward_matches_propose(target):
     target.set_taps(cfg.target_layer_ids)
     rng = np.random.default_rng(0)
     toks = [1] + [int(x) for x in rng.integers(3, 500, size=70)]
-    _, taps = target.forward(mx.array(toks), target.make_cache(), 0)
+    _, taps = target.forward([Pass(mx.array(toks), target.make_cache(), 0)])[0]
     batch_taps = target_taps(target, mx.array([toks]))
     assert mx.allclose(batch_taps[0], taps, atol=1e-5)
     anchors = [4, 33, 60, 12]
@@ -110,7 +111,7 @@ def test_short_run_raises_tau(target, data):
 def _assert_same_drafts(target, a, b, toks: list[int]) -> None:
     """Drafters `a` and `b` propose the same block after `toks` (a grown drafter at step 0)."""
     target.set_taps(a.cfg.target_layer_ids)
-    _, taps = target.forward(mx.array(toks), target.make_cache(), 0)
+    _, taps = target.forward([Pass(mx.array(toks), target.make_cache(), 0)])[0]
     drafts = []
     for d in (a, b):
         runner = DrafterRunner(d, target)
@@ -260,7 +261,9 @@ def test_corpus_trained_drafter_ships_its_draft_vocabulary(target, data, tmp_pat
         loaded = load_drafter(folder, num_target_layers=target.num_layers)
         np.testing.assert_array_equal(loaded.draft_vocab, trainer.vocab)
     runner = DrafterRunner(loaded, target)
-    runner.add_context(target.forward(mx.array(recs[0]["tokens"][:9]), target.make_cache(), 0)[1])
+    runner.add_context(
+        target.forward([Pass(mx.array(recs[0]["tokens"][:9]), target.make_cache(), 0)])[0][1]
+    )
     logits = np.array(runner.propose(recs[0]["tokens"][8], 9, 3).logits)
     assert set(np.nonzero(np.isfinite(logits))[1]) <= set(trainer.vocab.tolist())
     (converted / "draft_vocab.json").write_text('{"token_ids": [1, 99999]}')
@@ -594,7 +597,7 @@ def test_dflash2_training_forward_matches_propose(target):
     target.set_taps(cfg.target_layer_ids)
     rng = np.random.default_rng(0)
     toks = [1] + [int(x) for x in rng.integers(3, 500, size=60)]
-    _, taps = target.forward(mx.array(toks), target.make_cache(), 0)
+    _, taps = target.forward([Pass(mx.array(toks), target.make_cache(), 0)])[0]
     anchors = [4, 33, 50]
     h = drafter_blocks(
         drafter, target, target_taps(target, mx.array([toks])), mx.array([toks]),
@@ -624,7 +627,7 @@ def test_to_dflash2_drafts_as_before_then_training_moves_the_selector(target, da
     _assert_same_drafts(target, v1, v2, [1] + list(range(20, 60)))
     # step 0: the chain is the argmax of the logits
     runner = DrafterRunner(v2, target)
-    _, taps = target.forward(mx.array(list(range(3, 30))), target.make_cache(), 0)
+    _, taps = target.forward([Pass(mx.array(list(range(3, 30))), target.make_cache(), 0)])[0]
     runner.add_context(taps[:-1])
     p = runner.propose(29, 26, 7)
     assert np.array(p.lattice.greedy()).tolist() == np.array(mx.argmax(p.logits, -1)).tolist()

@@ -16,6 +16,7 @@ from harness_util import (
 
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.kernels import tree_attention as ta
+from mlx_dflash.settings import SETTINGS
 
 TOL = {  # (atol, rtol) against a float64 truth computed from the same rounded inputs
     mx.float32: (2e-5, 1e-4),
@@ -449,21 +450,21 @@ def test_dispatch_without_metal(monkeypatch, qkv_small):
     ref = ta.tree_attention_reference(q, k, v, parents, 0.3)
     for mode in (None, "auto", "reference", "REFERENCE"):
         if mode is None:
-            monkeypatch.delenv(ta.ENV_VAR, raising=False)
+            monkeypatch.setattr(SETTINGS, ta.SETTING, "")
         else:
-            monkeypatch.setenv(ta.ENV_VAR, mode)
+            monkeypatch.setattr(SETTINGS, ta.SETTING, mode)
         np.testing.assert_array_equal(
             np.asarray(ta.tree_attention(q, k, v, parents, 0.3)), np.asarray(ref)
         )
         assert ta.attention_backend().startswith("reference")
-    monkeypatch.setenv(ta.ENV_VAR, "metal")
+    monkeypatch.setattr(SETTINGS, ta.SETTING, "metal")
     with pytest.raises(DFlashError, match="Metal"):
         ta.tree_attention(q, k, v, parents, 0.3)
     assert "no Metal" in ta.attention_backend()
 
 
 def test_dispatch_rejects_unknown_mode(monkeypatch, qkv_small):
-    monkeypatch.setenv(ta.ENV_VAR, "cuda")
+    monkeypatch.setattr(SETTINGS, ta.SETTING, "cuda")
     with pytest.raises(DFlashError, match=ta.ENV_VAR):
         ta.tree_attention(*qkv_small, 0.3)
     assert ta.attention_backend().startswith("invalid")
@@ -484,16 +485,16 @@ def test_dispatch_picks_kernel_when_metal_is_present(monkeypatch, harness, qkv_s
     )
     want = numpy_tree_attention(q, k, v, parents, 0.3)
     for mode in ("auto", "metal"):
-        monkeypatch.setenv(ta.ENV_VAR, mode)
+        monkeypatch.setattr(SETTINGS, ta.SETTING, mode)
         assert_close(ta.tree_attention(q, k, v, parents, 0.3), want, mx.float32)
     assert len(calls) == 2
     assert ta.attention_backend().startswith("metal")
     # shapes the kernel does not take: reference under auto, an error under metal
     q48, k48, v48 = make_qkv(np.random.default_rng(1), 2, 1, 5, 3, 48, mx.float32)
-    monkeypatch.setenv(ta.ENV_VAR, "auto")
+    monkeypatch.setattr(SETTINGS, ta.SETTING, "auto")
     ta.tree_attention(q48, k48, v48, parents, 0.3)
     assert len(calls) == 2
-    monkeypatch.setenv(ta.ENV_VAR, "metal")
+    monkeypatch.setattr(SETTINGS, ta.SETTING, "metal")
     with pytest.raises(DFlashError, match="head dim 48"):
         ta.tree_attention(q48, k48, v48, parents, 0.3)
 

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from ..errors import DFlashError
 from ..prompt_files import read_prompt_file, read_records
+from ..settings import SETTINGS
 
 # name -> (local file under --data-dir, field holding the prompt)
 DATASETS: dict[str, tuple[str, str]] = {
@@ -33,7 +33,7 @@ HUB_DATASETS: dict[str, tuple[str, str]] = {
 
 def default_data_dir() -> Path | None:
     """$DFLASH_SHARED/data/bench, else the repo's ../shared/data/bench, when it exists."""
-    roots = [os.environ.get("DFLASH_SHARED"), Path(__file__).resolve().parents[3] / "shared"]
+    roots = [SETTINGS.shared, Path(__file__).resolve().parents[3] / "shared"]
     for root in roots:
         if root and (Path(root) / "data" / "bench").is_dir():
             return Path(root) / "data" / "bench"

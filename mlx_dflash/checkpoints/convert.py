@@ -114,7 +114,7 @@ def _from_hub(fetch, repo_id: str) -> Path:
 def check_config(cfg: dict[str, Any], kind: str = "auto") -> str:
     """The kind of checkpoint a config.json describes, after checking that it can run here:
     a target's architecture is supported, a drafter is a DFlash drafter. Returns the kind."""
-    from ..models.target import architecture
+    from ..models.families import architecture
 
     kind = detect_kind(cfg, kind)
     if kind == "target":
@@ -321,7 +321,7 @@ def convert_drafter(
 def _load_target(source: Path):
     from mlx_lm.utils import load_model
 
-    from ..models.target import model_classes
+    from ..models.families import model_classes
 
     try:
         return load_model(source, lazy=True, get_model_classes=model_classes)
@@ -347,7 +347,7 @@ def convert_target(
     from mlx.utils import tree_flatten, tree_map_with_path
     from mlx_lm.utils import quantize_model, save_config
 
-    from ..models.target import architecture
+    from ..models.families import architecture
 
     cfg = read_config(source, "target")
     if is_drafter_config(cfg):

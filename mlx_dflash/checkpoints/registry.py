@@ -7,7 +7,7 @@ share the base model's weights up to quantisation, hence its drafter, so lookups
 normalised base names rather than ids.
 
 Whether a pair runs is never written down here: `refusal` asks the code that loads targets
-(models/target.py ARCHITECTURES) and drafters (models/drafter_config.py) at call time, so a
+(models/families.py ARCHITECTURES) and drafters (models/drafter_config.py) at call time, so a
 family added there flips its rows without an edit here.
 """
 
@@ -223,7 +223,7 @@ def refusal(pair: Pair) -> str | None:
     Asked at call time of the code that loads targets and drafters, so it follows whatever
     they support; nothing here says which families run."""
     from ..models.drafter_config import DRAFTER_ARCHITECTURES, architecture_of
-    from ..models.target import architecture
+    from ..models.families import architecture
 
     try:
         architecture({"model_type": pair.model_type, **dict(pair.config)})

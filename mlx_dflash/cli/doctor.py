@@ -115,6 +115,7 @@ def report() -> dict[str, str]:
     from ..kernels import cpu_math
     from ..kernels.gated_delta import gdn_backend
     from ..kernels.tree_attention import attention_backend
+    from ..settings import SETTINGS
 
     metal = mx.metal.is_available()
     if sys.platform.startswith("linux"):
@@ -142,6 +143,7 @@ def report() -> dict[str, str]:
         "tree attention": attention_backend(),
         "gated deltanet": gdn_backend(),
         "exponentials": cpu_math.describe(),
+        "settings": SETTINGS.line(),
         "quantized verify": "small-M kernel where this Mac's calibration chose it (per model)"
         if metal
         else "stock mx.quantized_matmul (the small-M verify kernel is Metal-only)",

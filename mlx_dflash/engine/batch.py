@@ -4,7 +4,7 @@ Every kind of round (DFlash blocks, DDTree trees, lookup, grammar, DFlash 2 latt
 steps, prefill chunks) reaches the target through `Session.target.forward`. Here that target is
 a `BatchedTarget`: its forward leaves the row's pass with the `Batcher` and suspends the row;
 once every row has either asked for a forward or ended, the pending passes run as one packed
-forward (models/packed.py: weights read once for all rows) and each row resumes with its own
+forward (models/forward.py: weights read once for all rows) and each row resumes with its own
 result. So rows join and leave between any two forwards, each keeps its own caches,
 acceptance, trims and compactions, and the round code is the one a single generation runs.
 
@@ -121,7 +121,7 @@ class Batcher:
 
     def propose(self, runner, last: int, start: int, n: int):
         """Called inside a row by its DrafterRunner: the pass joins the next packed drafter
-        pass (models/drafter.py propose_packed); resumes with its Proposal."""
+        pass (models/drafter.py propose_rows); resumes with its Proposal."""
         return self._wait(self._drafts, DraftAsk(runner, last, start, n))
 
     def allot(self, policy, tree) -> int | None:
@@ -190,9 +190,7 @@ class Batcher:
         return self._tokens_ema * (1.0 - 1.0 / self._rows_ema)
 
     def _alone(self, p: Pass):
-        return self.target.forward(
-            p.tokens, p.cache, p.start, p.parents, p.logits, p.taps, p.rewindable
-        )
+        return self.target.forward([p])[0]
 
     def _release(self, row) -> None:
         for cache in self._adopted.pop(row, []):
@@ -227,7 +225,7 @@ class Batcher:
             else:
                 for slot in batch:
                     self._adopt(slot)
-                results = self.target.forward_rows([s.p for s in batch])
+                results = self.target.forward([s.p for s in batch])
             for slot, result in zip(batch, results, strict=True):
                 slot.result = result
         except Exception as e:  # every row of the batch hears of it, in its own round
@@ -269,9 +267,6 @@ class BatchedTarget:
     def new_arena(self):
         return None  # the batch's own arena is the Batcher's
 
-    def forward_rows(self, passes: list[Pass]):
-        return self._target.forward_rows(passes)
-
     @property
     def runs_alone(self) -> bool:
         return False  # its forwards wait for the other rows'
@@ -281,9 +276,9 @@ class BatchedTarget:
         """The target itself (forwards of its own: the auto budget's one-time profile)."""
         return self._target
 
-    def forward(self, tokens, cache, start, parents=None, logits="all", taps=True, rewindable=True):
-        p = Pass(tokens, cache, start, parents, logits, taps, rewindable)
-        return self._batcher.forward(p)
+    def forward(self, passes: list[Pass]):
+        """A row's passes join the batch's next packed forward (each in turn)."""
+        return [self._batcher.forward(p) for p in passes]
 
 
 def run_rows(target, rows: list[Callable[[Any], None]], join_at: list[int] | None = None):

@@ -16,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..paths import cache_root, profile_key
+from .contract import Pass
 from .session import Session
 from .tree import Tree, expected_tokens, graft
 
@@ -65,9 +66,8 @@ class VerifyProfile:
         session = Session(target)
         prompt = (np.arange(context) % max(2, target.vocab_size - 1)).tolist()
         ids = mx.array(prompt, dtype=mx.int32)
-        logits, _ = target.forward(
-            ids, session.cache, 0, logits="last", taps=False, rewindable=False
-        )
+        p = Pass(ids, session.cache, 0, logits="last", taps=False, rewindable=False)
+        logits, _ = target.forward([p])[0]
         session.commit(prompt)
         # The logits too: on a pipeline stage they are what carries the send to the next rank.
         mx.eval(logits, [c.state_arrays for c in session.cache])
@@ -78,7 +78,8 @@ class VerifyProfile:
             best = float("inf")
             for _ in range(repeats + 1):
                 t0 = time.perf_counter()
-                logits, taps = target.forward(ids[:n], session.cache, context, parents=parents)
+                p = Pass(ids[:n], session.cache, context, parents=parents)
+                logits, taps = target.forward([p])[0]
                 mx.eval(logits, taps)
                 best = min(best, time.perf_counter() - t0)
                 session.commit([])  # keep nothing: every cache back to the context

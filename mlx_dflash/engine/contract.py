@@ -26,7 +26,7 @@ from ..kernels.tree_attention import tree_depths
 @dataclass
 class Pass:
     """One forward's arguments (TargetModel.forward): a batched row's pass waits in a
-    Batcher (engine/batch.py) for the packed forward (TargetModel.forward_rows)."""
+    Batcher (engine/batch.py) for the packed forward of every row's."""
 
     tokens: mx.array
     cache: list
@@ -221,21 +221,9 @@ class TargetModel(Protocol):
         """A KV buffer the rows of a batch share (models/arena.py), or None."""
         ...
 
-    def forward_rows(self, passes: list[Pass]) -> list[tuple[mx.array | None, mx.array | None]]:
-        """Several rows' passes as one packed forward (weights read once for all): each
-        row's (logits, taps), as its own forward would give them."""
-        ...
-
-    def forward(
-        self,
-        tokens: mx.array,
-        cache: list[Any],
-        start: int,
-        parents: np.ndarray | None = None,
-        logits: str = "all",
-        taps: bool = True,
-        rewindable: bool = True,
-    ) -> tuple[mx.array | None, mx.array | None]:
-        """(logits, taps) of T tokens after `start` cached positions: a causal block, or a tree
-        given by `parents` (see models/target.py)."""
+    def forward(self, passes: list[Pass]) -> list[tuple[mx.array | None, mx.array | None]]:
+        """Each pass's (logits, taps): T tokens after `start` cached positions, a causal block
+        or a tree given by `parents` (models/forward.py). One pass runs alone; several (a
+        batch's rows) run as one packed forward, weights read once for all, each row's result
+        as its own forward would give it."""
         ...

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from .budget import AutoBudget, FixedBudget
-from .contract import Drafter
+from .contract import Drafter, Pass
 from .corpus import corpus_of, lookup_corpus
 from .grammar import Grammar, prune_tree, with_certain_run
 from .lookup import MAX_BRANCHES, LookupStats, PromptLookup
@@ -219,13 +219,10 @@ class DDTree:
         return None
 
     def _verify(self, tree: Tree, start: int):
-        return self.session.target.forward(
-            mx.array(tree.tokens.astype(np.int32)),
-            self.session.cache,
-            start,
-            parents=tree.parents,
-            taps=self.drafter is not None,
-        )
+        tokens = mx.array(tree.tokens.astype(np.int32))
+        taps = self.drafter is not None
+        p = Pass(tokens, self.session.cache, start, tree.parents, taps=taps)
+        return self.session.target.forward([p])[0]
 
     def _plain(self, last: int, rng) -> Round:
         rnd = plain_round(

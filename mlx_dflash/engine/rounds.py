@@ -12,6 +12,7 @@ from typing import cast
 import mlx.core as mx
 import numpy as np
 
+from .contract import Pass
 from .sampling import (
     SamplingParams,
     accept_greedy,
@@ -40,14 +41,9 @@ def prefill(session: Session, prompt: list[int], cfg: GenerationConfig) -> tuple
     logits = None
     mlx_lm_forwards = session.kv is not None or session.max_kv_size is not None
     for chunk in prefill_chunks(new, cfg.prefill_chunk, mlx_lm_forwards):
-        logits, taps = target.forward(
-            mx.array(chunk),
-            session.cache,
-            len(session.tokens),
-            logits="last",
-            taps=drafter is not None,
-            rewindable=False,
-        )
+        p = Pass(mx.array(chunk), session.cache, len(session.tokens), logits="last",
+                 taps=drafter is not None, rewindable=False)  # fmt: skip
+        logits, taps = target.forward([p])[0]
         session.commit(chunk, taps)
         _sync((logits, [c.state_arrays for c in session.cache]))
         session.world.beat()  # a long prefill is progress too (a sharded target's watchdog)
@@ -116,7 +112,7 @@ def block_round(
         mx.eval(drafts)
     t1 = time.perf_counter()
     tokens = mx.concatenate([mx.array([last], dtype=mx.int32), drafts])
-    logits, taps = session.target.forward(tokens, session.cache, start)
+    logits, taps = session.target.forward([Pass(tokens, session.cache, start)])[0]
     assert logits is not None
     if sampling.greedy:
         decided = mx.argmax(logits, axis=-1).astype(mx.int32)
@@ -182,9 +178,9 @@ def plain_round(
     grammar: the target's logits masked by it (engine/grammar.py), which then takes the token.
     """
     t0 = time.perf_counter()
-    logits, taps = session.target.forward(
-        mx.array([last]), session.cache, len(session.tokens), taps=feed_drafter, rewindable=False
-    )
+    p = Pass(mx.array([last]), session.cache, len(session.tokens), taps=feed_drafter,
+             rewindable=False)  # fmt: skip
+    logits, taps = session.target.forward([p])[0]
     mask = grammar.mask() if grammar is not None else None
     tok = session.agree([_pick(logits, sampling, rng, grammar, mask)])[0]
     session.commit([last], taps)
@@ -215,7 +211,8 @@ class PipelinedSteps:
 
     def _step(self, token: mx.array) -> mx.array:
         s = self.session
-        logits, _ = s.target.forward(token, s.cache, len(s.tokens), taps=False, rewindable=False)
+        p = Pass(token, s.cache, len(s.tokens), taps=False, rewindable=False)
+        logits, _ = s.target.forward([p])[0]
         assert logits is not None
         nxt = mx.argmax(logits[-1:], axis=-1).astype(mx.int32)
         mx.async_eval(nxt)

@@ -18,14 +18,13 @@ a traced function (training's gradients): only the inference forwards call it.
 
 from __future__ import annotations
 
-import os
 import platform
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..errors import DFlashError
+from ..settings import SETTINGS
 
 ENV_VAR = "DFLASH_MLX_NUMPY_MATH"
 # The measured break-even on the 2-core x86 machine: attention over 300 keys costs 209 us a
@@ -37,10 +36,7 @@ _ARM = ("arm64", "aarch64")
 
 def setting() -> str:
     """DFLASH_MLX_NUMPY_MATH as "auto", "0" or "1"; anything else is refused in one sentence."""
-    value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    if value not in ("auto", "0", "1"):
-        raise DFlashError(f"{ENV_VAR} must be auto, 0 or 1, not {value!r}.")
-    return value
+    return SETTINGS.choice("numpy_math", ("auto", "0", "1"))
 
 
 def enabled(value: str | None = None) -> bool:

@@ -7,7 +7,6 @@ from an environment variable: auto (default) | metal | reference.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..errors import DFlashError
+from ..settings import SETTINGS, VARIABLES
 from . import self_check
 
 KernelFactory = self_check.KernelFactory
@@ -82,12 +82,10 @@ def cached_kernel(
 # Dispatch
 
 
-def backend_mode(env_var: str) -> str:
-    """The backend `env_var` asks for: auto (unset or empty), metal or reference."""
-    mode = os.environ.get(env_var, "auto").strip().lower() or "auto"
-    if mode not in MODES:
-        raise DFlashError(f"{env_var} must be one of {', '.join(MODES)}, not {mode!r}.")
-    return mode
+def backend_mode(setting: str) -> str:
+    """The backend a setting (settings.py: "attention", "gdn") asks for: auto (unset), metal
+    or reference."""
+    return SETTINGS.choice(setting, MODES)
 
 
 def metal_available() -> bool:
@@ -106,7 +104,7 @@ def metal_ready(sources: Callable[[], object], available: Callable[[], bool]) ->
 
 
 def use_kernel(
-    env_var: str,
+    setting: str,
     supported: bool,
     what: str | Callable[[], str],
     limits: str,
@@ -122,7 +120,7 @@ def use_kernel(
     a failed self-check: for debugging), and a clear error where it cannot run (naming `what`,
     a string or a function giving one, and the `limits`) rather than a silent fallback.
     """
-    mode = backend_mode(env_var)
+    mode, env_var = backend_mode(setting), VARIABLES[setting][0]
     if mode == "reference":
         return False
     if mode == "metal":
@@ -143,7 +141,7 @@ def use_kernel(
 
 
 def describe_backend(
-    env_var: str,
+    setting: str,
     reference: str,
     fails: str,
     kernels: str,
@@ -159,8 +157,9 @@ def describe_backend(
     reference: the reference path; fails: what breaks when metal is forced without a GPU;
     kernels: the kernel path, and limits: the shapes it takes.
     """
+    env_var = VARIABLES[setting][0]
     try:
-        mode = backend_mode(env_var)
+        mode = backend_mode(setting)
     except DFlashError as exc:
         return f"invalid: {exc}"
     if mode == "reference":

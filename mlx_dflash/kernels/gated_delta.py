@@ -26,6 +26,7 @@ from .tree_attention import tree_depths, validate_parents
 
 __all__ = [
     "ENV_VAR",
+    "SETTING",
     "MAX_KEY_DIM",
     "MAX_TREE",
     "SUPPORTED_DTYPES",
@@ -40,6 +41,7 @@ __all__ = [
 ]
 
 ENV_VAR = "DFLASH_GDN"
+SETTING = "gdn"  # SETTINGS.gdn (settings.py)
 
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 MAX_KEY_DIM = 256  # the row state lives in registers: ceil(Dk / 32) floats per lane
@@ -368,7 +370,7 @@ def use_metal(supported: bool, what: str) -> bool:
     always, and a clear error where it cannot run rather than a silent fallback.
     """
     return metal_kernels.use_kernel(
-        ENV_VAR,
+        SETTING,
         supported,
         what,
         f"Dk <= {MAX_KEY_DIM}, T <= {MAX_TREE}, Hv a multiple of Hk, float16/bfloat16/float32",
@@ -381,7 +383,7 @@ def use_metal(supported: bool, what: str) -> bool:
 def gdn_backend() -> str:
     """One line for `dflash-mlx doctor`: which Gated DeltaNet verify path runs, and why."""
     return metal_kernels.describe_backend(
-        ENV_VAR,
+        SETTING,
         "reference (MLX ops, one step per tree level)",
         "hybrid verify",
         "metal gdn_tree_verify + gdn_tape_replay kernels",

@@ -42,6 +42,7 @@ __all__ = [
 ]
 
 ENV_VAR = "DFLASH_ATTENTION"
+SETTING = "attention"  # SETTINGS.attention (settings.py)
 
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
@@ -389,7 +390,7 @@ def tree_attention(
     `masks`: see `tree_attention_reference` (the kernel needs no mask).
     """
     if metal_kernels.use_kernel(
-        ENV_VAR,
+        SETTING,
         metal_supported(q, k, v),
         lambda: f"head dim {q.shape[-1]} / {q.dtype}",
         f"head dims {SUPPORTED_HEAD_DIMS}, float16/bfloat16/float32",
@@ -403,7 +404,7 @@ def tree_attention(
 def attention_backend() -> str:
     """One line for `dflash-mlx doctor`: which tree-attention path runs, and why."""
     return metal_kernels.describe_backend(
-        ENV_VAR,
+        SETTING,
         "reference (mx.fast.scaled_dot_product_attention with an ancestor mask)",
         "tree attention",
         "metal tree-attention kernel",

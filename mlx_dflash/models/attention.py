@@ -60,7 +60,7 @@ def attention(
 
 
 def packed_attention(attn, spec: AttentionSpec, x, positions, rows, window=None) -> mx.array:
-    """Several sequences' tokens packed along x (1, sum T, H) (models/packed.py): the
+    """Several sequences' tokens packed along x (1, sum T, H) (models/forward.py): the
     projections run once over all of them (and any row padding after them, models/rows.py),
     then each row `(a, b, cache, start, positions, parents, masks)` (its tokens a:b) attends
     over its own cache. `positions`: every packed token's position."""

@@ -117,8 +117,10 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def __call__(self, h: mx.array, cache: ContextCache, start: int, mask) -> mx.array:
-        h = h + self.self_attn(self.input_layernorm(h), cache, start, mask)
+    def __call__(self, h: mx.array, attend, blocks: int = 1) -> mx.array:
+        """h (1, blocks * bs, H): one block, or several packed; `attend` is the attention over
+        them (each block over its own context: DFlashDrafter.__call__)."""
+        h = h + attend(self.input_layernorm(h))
         return h + self.mlp.infer(self.post_attention_layernorm(h))
 
 
@@ -131,11 +133,19 @@ class DFlash2Layer(DrafterLayer):
         self.attention_conv = GroupedDynamicConv(*conv)
         self.mlp_conv = GroupedDynamicConv(*conv)
 
-    def __call__(self, h: mx.array, cache: ContextCache, start: int, mask) -> mx.array:
-        x, d = self.attention_conv.prepare(self.input_layernorm(h))
-        h = h + self.attention_conv.finish(self.self_attn(x, cache, start, mask), d)
-        x, d = self.mlp_conv.prepare(self.post_attention_layernorm(h))
-        return h + self.mlp_conv.finish(self.mlp.infer(x), d)
+    def __call__(self, h: mx.array, attend, blocks: int = 1) -> mx.array:
+        """As DrafterLayer's; the convolutions run along each block."""
+
+        def split(t):  # (1, blocks * bs, H) <-> (blocks, bs, H)
+            return t if blocks == 1 else t.reshape(blocks, -1, t.shape[-1])
+
+        def packed(t):
+            return t if blocks == 1 else t.reshape(1, -1, t.shape[-1])
+
+        x, d = self.attention_conv.prepare(split(self.input_layernorm(h)))
+        h = h + packed(self.attention_conv.finish(split(attend(packed(x))), d))
+        x, d = self.mlp_conv.prepare(split(self.post_attention_layernorm(h)))
+        return h + packed(self.mlp_conv.finish(self.mlp.infer(x), d))
 
 
 class DFlashDrafter(nn.Module):
@@ -200,12 +210,25 @@ class DFlashDrafter(nn.Module):
             k, v = layer.self_attn.project_kv(c, position)
             lc.append(k, v)
 
-    def __call__(self, block_embeds: mx.array, cache: list[ContextCache], start: int) -> mx.array:
-        """Hidden states (bs, H) for a block at positions start.., over the cached context."""
-        h = block_embeds[None]
-        bs = h.shape[1]
-        for i, (layer, lc) in enumerate(zip(self.layers, cache, strict=True)):
-            h = layer(h, lc, start, self.block_mask(i, start, lc.visible, bs))
+    def __call__(self, embeds: mx.array, caches: list[list[ContextCache]], starts: list[int]):
+        """Hidden states (R * bs, H) of R blocks packed in `embeds` (R * bs, H), block r at
+        positions starts[r].. over its own cached context (caches[r], a cache per layer): the
+        projections, MLPs and convolutions run once for all of them."""
+        h, R = embeds[None], len(starts)
+        bs = h.shape[1] // R
+        positions = None
+        if R > 1:
+            positions = mx.array(np.concatenate([s + np.arange(bs) for s in starts]), mx.int32)
+        for i, layer in enumerate(self.layers):
+            if R == 1:
+                c, s = caches[0][i], starts[0]
+                mask = self.block_mask(i, s, c.visible, bs)
+                attend = partial(layer.self_attn, cache=c, start=s, mask=mask)
+            else:
+                attend = partial(_packed_attention, self, i, layer.self_attn,
+                                 caches=[c[i] for c in caches], starts=starts,
+                                 positions=positions)  # fmt: skip
+            h = layer(h, attend, R)
         return self.norm(h)[0]
 
 
@@ -270,35 +293,18 @@ class DrafterRunner:
     def propose(self, last_token: int, start: int, n: int) -> Proposal:
         """The n positions start+1..start+n, from one drafter pass: logits, and a DFlash 2
         drafter's lattice. In a batched row (engine/batch.py) the pass joins the other rows'
-        (propose_packed)."""
+        (propose_rows)."""
         if self.batcher is not None and self.batcher.in_row():
             return self.batcher.propose(self, last_token, start, n)
         return self.propose_alone(last_token, start, n)
 
     def propose_together(self, asks: list[DraftAsk]) -> list[Proposal]:
-        """Batched rows' passes as one (propose_packed)."""
-        return propose_packed(
-            [a.drafter for a in asks], [(a.last_token, a.start, a.n) for a in asks]
-        )
+        """Batched rows' passes as one (propose_rows)."""
+        return propose_rows([a.drafter for a in asks], [(a.last_token, a.start, a.n) for a in asks])
 
     def propose_alone(self, last_token: int, start: int, n: int) -> Proposal:
         """One drafter pass of its own."""
-        h = self.hidden(last_token, start, n)
-        logits = self.logits(h)
-        if self.cfg.kind == "dflash2":
-            lattice = self.drafter.candidate_selector.lattice(h, logits, last_token)
-            return LatticeDrafts(logits, lattice)
-        return Marginals(logits)
-
-    def hidden(self, last_token: int, start: int, n: int) -> mx.array:
-        """The drafter's final hidden states (n, H) for positions start+1..start+n."""
-        assert start == self.context_len, "drafter context out of sync with the target"
-        cfg = self.cfg
-        block = mx.array([last_token] + [cfg.mask_token_id] * (self.block_size - 1))
-        emb = self.target.token_embeddings(block)
-        if cfg.input_embedding_scale is not None:
-            emb = emb * cfg.input_embedding_scale
-        return self.drafter(emb, self.cache, start)[1 : n + 1]
+        return propose_rows([self], [(last_token, start, n)])[0]
 
     def logits(self, h: mx.array) -> mx.array:
         """Logits (n, V) of hidden states h, restricted to the draft vocabulary if it has one."""
@@ -313,34 +319,28 @@ class DrafterRunner:
         return full
 
 
-def propose_packed(runners: list, requests: list[tuple[int, int, int]]) -> list[Proposal]:
-    """Several rows' drafter passes as one (batched rounds, engine/batch.py): each row's block
-    over its own context, the projections, MLPs, convolutions and the LM head shared. Rows of
-    one drafter and target share its draft vocabulary too; a DFlash 2 row's lattice is scored
-    from its own slice. Rows of different drafters or targets go one by one."""
+def propose_rows(runners: list, requests: list[tuple[int, int, int]]) -> list[Proposal]:
+    """Each runner's proposal for its request (last token, start, n: the n positions
+    start+1..start+n) from one drafter pass: a row alone, or batched rows packed (engine/batch.py),
+    each row's block over its own context, the projections, MLPs, convolutions and the LM head
+    shared. Rows of one drafter and target share its draft vocabulary too; a DFlash 2 row's
+    lattice is scored from its own slice. Rows of different drafters or targets go one by one."""
     first = runners[0]
     drafter, cfg = first.drafter, first.cfg
-    if len(runners) == 1 or any(r.drafter is not drafter or r.target is not first.target
-                                for r in runners):  # fmt: skip
-        return [r.propose_alone(*q) for r, q in zip(runners, requests, strict=True)]
+    if any(r.drafter is not drafter or r.target is not first.target for r in runners):
+        return [propose_rows([r], [q])[0] for r, q in zip(runners, requests, strict=True)]
     bs = cfg.block_size
-    embeds, starts = [], []
+    embeds = []
     for r, (last, start, _) in zip(runners, requests, strict=True):
         assert start == r.context_len, "drafter context out of sync with the target"
         block = mx.array([last] + [cfg.mask_token_id] * (bs - 1))
         e = r.target.token_embeddings(block)
         embeds.append(e if cfg.input_embedding_scale is None else e * cfg.input_embedding_scale)
-        starts.append(start)
     caches = [r.cache for r in runners]  # (pending taps projected first)
-    positions = mx.array(np.concatenate([s + np.arange(bs) for s in starts]), dtype=mx.int32)
-    h = mx.concatenate(embeds)[None]
-    for i, layer in enumerate(drafter.layers):
-        attend = partial(_packed_attention, drafter, i, layer.self_attn,
-                         caches=[c[i] for c in caches], starts=starts, positions=positions)  # fmt: skip
-        h = _packed_layer(layer, h, attend, len(runners))
-    h = drafter.norm(h)[0]
+    embed = embeds[0] if len(embeds) == 1 else mx.concatenate(embeds)
+    h = drafter(embed, caches, [start for _, start, _ in requests])
     picks = [h[k * bs + 1 : k * bs + 1 + n] for k, (_, _, n) in enumerate(requests)]
-    logits = first.logits(mx.concatenate(picks))
+    logits = first.logits(picks[0] if len(picks) == 1 else mx.concatenate(picks))
     out: list[Proposal] = []
     at = 0
     for (last, _, n), pick in zip(requests, picks, strict=True):
@@ -351,25 +351,6 @@ def propose_packed(runners: list, requests: list[tuple[int, int, int]]) -> list[
         else:
             out.append(Marginals(rows))
     return out
-
-
-def _packed_layer(layer, h: mx.array, attend, n_rows: int) -> mx.array:
-    """One layer over the packed blocks h (1, R * bs, H), as DrafterLayer / DFlash2Layer run
-    one block; a DFlash 2 layer's convolutions run along each row's own block."""
-    if not isinstance(layer, DFlash2Layer):
-        h = h + attend(layer.input_layernorm(h))
-        return h + layer.mlp.infer(layer.post_attention_layernorm(h))
-
-    def rows(t):  # (1, R * bs, H) <-> (R, bs, H)
-        return t.reshape(n_rows, -1, t.shape[-1])
-
-    def packed(t):
-        return t.reshape(1, -1, t.shape[-1])
-
-    x, d = layer.attention_conv.prepare(rows(layer.input_layernorm(h)))
-    h = h + packed(layer.attention_conv.finish(rows(attend(packed(x))), d))
-    x, d = layer.mlp_conv.prepare(rows(layer.post_attention_layernorm(h)))
-    return h + packed(layer.mlp_conv.finish(layer.mlp.infer(x), d))
 
 
 def _packed_attention(drafter, i: int, attn, x, *, caches, starts, positions) -> mx.array:

@@ -21,7 +21,6 @@ test suite runs that way, so every exactness test runs padded).
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import mlx.core as mx
@@ -30,6 +29,7 @@ import mlx.nn as nn
 from ..engine.device import on_cpu
 from ..paths import cache_root, profile_key
 from ..progress import progress
+from ..settings import SETTINGS
 
 MAX_ROWS = 64  # past a verify's largest tree, rows cost what they cost
 SIZES = range(1, MAX_ROWS + 1)
@@ -97,7 +97,7 @@ class RowPadding:
         machine)."""
         if not on_cpu() or target.stage is not None or not blas_weights(target):
             return None
-        setting = os.environ.get("DFLASH_MLX_ROW_PADDING", "auto")
+        setting = SETTINGS.row_padding or "auto"
         if setting == "0":
             return None
         if setting.isdigit():

@@ -4,13 +4,12 @@ Speculative decoding needs three things mlx-lm's `Model.__call__` does not give:
 per token (tree nodes at the same depth share a position), an arbitrary attention structure
 (a causal block or a tree given by parent indices), and the hidden states of the tapped
 layers. Rather than patch mlx-lm's classes, we call their submodules (projections, norms,
-rope, MLP/MoE) from one loop here; what differs per architecture is declared in ARCHITECTURES.
+rope, MLP/MoE) from one loop here; what differs per architecture is declared in
+models/families.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,13 +17,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..checkpoints.read import is_drafter_config, read_config, text_config
+from ..checkpoints.read import read_config, text_config
 from ..distributed import LOCAL, LocalWorld, World
+from ..engine.contract import Pass
 from ..errors import DFlashError
-from ..kernels import cpu_math
-from ..kernels.tree_attention import tree_depths
 from .arena import KVArena
-from .attention import AttentionSpec, attention
 from .cache import (
     KVCache,
     KVQuantization,
@@ -32,187 +29,17 @@ from .cache import (
     RotatingKVCache,
     WindowedKVCache,
 )
-from .gated_deltanet import RecurrentCache, gdn_forward
-from .gemma4 import gemma4_block, gemma4_project
-from .minimax import minimax_project
-from .mla import is_mla, mla_attention
-from .packed import forward_packed
-from .rows import RowPadding, on_real_rows, pad_rows
-
-# mlx-lm's MLP classes that compute down_proj(swiglu(gate_proj(x), up_proj(x))) (Mistral's
-# checkpoints load as llama).
-SWIGLU_MLPS = ("mlx_lm.models.llama.MLP", "mlx_lm.models.qwen2.MLP", "mlx_lm.models.qwen3.MLP")
-
-
-def prenorm_block(layer, h, mix):
-    """The common decoder layer: pre-norm attention and MLP (or MoE), each added back.
-    `mix` runs the layer's token mixer (attention, Gated DeltaNet, MLA) under verification."""
-    h = h + mix(layer.input_layernorm(h))
-    ffn = layer.mlp if "mlp" in layer else layer.block_sparse_moe  # MiniMax names its MoE so
-    return h + feed_forward(ffn, layer.post_attention_layernorm(h))
-
-
-def feed_forward(ffn, x: mx.array) -> mx.array:
-    """The layer's MLP or MoE over x. mlx-lm's SwiGLU MLPs compute the same function with the
-    product's exponentials in numpy where MLX's CPU backend is slow at them (kernels/cpu_math.py:
-    at a 16-token verify, most of the MLP's cost on x86)."""
-    name = f"{type(ffn).__module__}.{type(ffn).__qualname__}"
-    if name in SWIGLU_MLPS and cpu_math.applies(
-        x.size // x.shape[-1] * ffn.gate_proj.weight.shape[0], x.dtype
-    ):
-        return ffn.down_proj(cpu_math.silu_mul(ffn.gate_proj(x), ffn.up_proj(x)))
-    return ffn(x)
-
-
-def sandwich_block(layer, h, mix):
-    """Muse Glimmer: a norm after attention and after the MLP too."""
-    h = h + layer.post_attention_layernorm(mix(layer.input_layernorm(h)))
-    return h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
-
-
-@dataclass(frozen=True)
-class Family:
-    """What an architecture does differently: in attention, and around the layer stack."""
-
-    attention: AttentionSpec = AttentionSpec()
-    block: Callable = prenorm_block  # one decoder layer around its token mixer
-    # Muse Glimmer: a weightless RMSNorm on the token embeddings. Gemma: embeddings times
-    # sqrt(hidden_size) (mlx-lm's embed_scale).
-    embedding_norm: bool = False
-    embedding_scale: bool = False
-    # Logits times output_multiplier (Muse Glimmer) where the model has one, then soft-capped:
-    # cap * tanh(logits / cap) with final_logit_softcapping (Muse Glimmer, Gemma).
-    logit_softcap: bool = False
-
-
-_GATED = Family(AttentionSpec(qk_norm=True, gated=True))
-_GEMMA4 = Family(
-    AttentionSpec(project=gemma4_project),
-    block=gemma4_block,
-    embedding_scale=True,
-    logit_softcap=True,
+from .families import (
+    ARCHITECTURES,
+    architecture,
+    language_model,
+    layer_windows,
+    mixer,
+    model_classes,
 )
-ARCHITECTURES: dict[str, Family] = {
-    "llama": Family(),
-    "mistral": Family(),
-    "qwen2": Family(),
-    "qwen3": Family(AttentionSpec(qk_norm=True)),
-    "qwen3_moe": Family(AttentionSpec(qk_norm=True)),
-    # Hybrid: 3 of 4 layers are Gated DeltaNet (models/gated_deltanet.py); partial RoPE comes
-    # with the rope module mlx-lm builds. Qwen3.8 is qwen3_5 (see _check_gate_type).
-    "qwen3_5": _GATED,
-    "qwen3_5_moe": _GATED,
-    "qwen3_next": _GATED,
-    # Multi-head latent attention (models/mla.py) and DeepSeek MoE; Kimi-K2.5 wraps it.
-    "deepseek_v3": Family(),
-    "kimi_k25": Family(),
-    # Three sliding-window layers to one global NoPE layer; everything else as described above.
-    "muse_glimmer": Family(
-        AttentionSpec(scaleless_qk=True, gate_proj=True),
-        block=sandwich_block,
-        embedding_norm=True,
-        logit_softcap=True,
-    ),
-    # Gemma 4 (models/gemma4.py): sliding and global layers with their own head sizes and
-    # RoPE (proportional, partial on global layers), K = V on global layers, a sandwich block
-    # with a MoE branch (26B-A4B) and a layer scalar; the wrapper and a text-only export.
-    "gemma4": _GEMMA4,
-    "gemma4_text": _GEMMA4,
-    # gpt-oss: alternating sliding and full layers, per-head attention sinks, biased
-    # projections, a MoE of SwiGLU experts (MXFP4 as published, read by mlx-lm).
-    "gpt_oss": Family(),
-    # MiniMax M2.x: RMSNorm over all heads' q and k at once, partial RoPE, a sparse MoE.
-    "minimax": Family(AttentionSpec(project=minimax_project)),
-    # GLM-4.5 / 4.6 / 4.7 MoE: biased q/k/v, optional per-head qk norm, partial RoPE.
-    "glm4_moe": Family(AttentionSpec(qk_norm=True)),
-    # MiMo-V2-Flash: sliding and full layers with their own heads and RoPE, sink logits,
-    # wider values than keys, a value scale.
-    "mimo_v2_flash": Family(),
-}
-# Families mlx-lm runs that cannot be verified exactly here, with the reason.
-REFUSED = {
-    "glm_moe_dsa": (
-        "GLM-5's DSA sparse attention picks each query's keys with an indexer's top-k, which a "
-        "draft tree's verify cannot reproduce exactly yet"
-    ),
-    "deepseek_v32": (
-        "DeepSeek-V3.2's DSA sparse attention picks each query's keys with an indexer's top-k, "
-        "which a draft tree's verify cannot reproduce exactly yet"
-    ),
-}
-# Text-only exports of the multimodal Qwen3.5 / 3.6 checkpoints name their language model's own
-# type; mlx-lm builds both layouts from the wrapper's module (its ModelArgs accepts a flat config).
-TEXT_MODEL_TYPES = {
-    "qwen3_5_text": "qwen3_5",
-    "qwen3_5_moe_text": "qwen3_5_moe",
-    "kimi_k2": "deepseek_v3",  # Kimi-K2's (and Kimi-K2.5's text_config's) own type
-    "muse_glimmer_text": "muse_glimmer",
-    "minimax_m2": "minimax",  # MiniMax M2.x's own type (mlx-lm remaps it the same way)
-    "gemma4_unified": "gemma4",  # Gemma 4 12B: encoder-free multimodal, the same text model
-}
-
-
-def architecture(config: dict) -> str:
-    """The ARCHITECTURES key (and mlx-lm module) for a raw config.json, or one sentence why not.
-
-    Published Qwen3.5 / 3.6 checkpoints wrap the language model (`model_type: qwen3_5`, its
-    fields under `text_config`, whose own type is `qwen3_5_text`); either spelling maps here.
-    """
-    if is_drafter_config(config):
-        raise DFlashError(
-            "This is a DFlash drafter, not a target model: pass it with --drafter, and the "
-            "model it drafts for with --model."
-        )
-    names = [config.get("model_type"), text_config(config).get("model_type")]
-    for name in filter(None, names):
-        name = TEXT_MODEL_TYPES.get(name, name)
-        if name in REFUSED:
-            raise DFlashError(f"Target architecture '{name}' is refused: {REFUSED[name]}.")
-        if name in ARCHITECTURES:
-            _check_gate_type(text_config(config))
-            _check_gemma4(name, text_config(config))
-            return name
-    shown = next((n for n in names if n), "unknown")
-    supported = ", ".join(sorted(ARCHITECTURES))
-    raise DFlashError(f"Target architecture '{shown}' is not supported (supported: {supported}).")
-
-
-# `output_gate_type` (Qwen3.8 writes "swish"; Qwen3.5 omits it) names the activation of the
-# Gated DeltaNet layers' gated output norm, in flash-linear-attention's spelling (its
-# FusedRMSNormGated takes activation="swish" | "silu" | "sigmoid"). Swish is SiLU, which is what
-# mlx-lm's qwen3_5 / qwen3_next norm already computes, so these load unchanged. The gate of the
-# full-attention layers stays sigmoid in the reference code whatever the field says. A value
-# we have no computation for (sigmoid included: mlx-lm's module, our baseline, cannot run it)
-# is refused, since a wrong gate still runs and only the tokens show it.
-SILU_GATE_TYPES = (None, "swish", "silu")
-
-
-def _check_gate_type(text: dict) -> None:
-    gate = text.get("output_gate_type")
-    if gate not in SILU_GATE_TYPES:
-        raise DFlashError(
-            f"output_gate_type '{gate}' is not supported: only the swish (SiLU) gate of "
-            "Qwen3.5 and Qwen3.8 is."
-        )
-
-
-def _check_gemma4(name: str, text: dict) -> None:
-    """The small Gemma 4 models (E2B, E4B) share K/V between layers and add per-layer token
-    inputs; no DFlash drafter exists for them, and this loop does not run either."""
-    if not name.startswith("gemma4"):
-        return
-    if text.get("num_kv_shared_layers", 20) or text.get("hidden_size_per_layer_input", 256):
-        raise DFlashError(
-            "Gemma 4 models with KV-shared layers or per-layer inputs (E2B, E4B) are not "
-            "supported: only the 12B, 26B-A4B and 31B layouts are."
-        )
-
-
-def model_classes(config: dict):
-    """mlx-lm's (Model, ModelArgs) for a config, text-only Qwen3.5 exports included."""
-    from mlx_lm.utils import _get_classes
-
-    return _get_classes({**config, "model_type": architecture(config)})
+from .forward import forward
+from .gated_deltanet import RecurrentCache
+from .rows import RowPadding
 
 
 class Target:
@@ -230,7 +57,7 @@ class Target:
         self.layers = self.inner.layers
         self.num_layers = len(self.layers)
         # Sliding-window layers see the newest `window` positions only (None: every position).
-        self.windows = layer_windows(self.inner, self.text_config)
+        self.windows = layer_windows(self.inner, self.text_config, self.family)
         self.world: World | LocalWorld = LOCAL  # a World once distributed.split shards it
         self.stage = None  # a pipeline stage (mlx_dflash.distributed.Stage): my layers only
         self.hidden_size = int(self.text_config["hidden_size"])
@@ -289,7 +116,7 @@ class Target:
         if kv is not None and max_kv_size is not None:
             raise DFlashError("--kv-bits and --max-kv-size do not go together (mlx-lm cannot "
                               "quantize its rotating cache either).")  # fmt: skip
-        if max_kv_size is not None and any(_is_linear(layer) for layer in self.layers):
+        if max_kv_size is not None and any(mixer(lay) == "gated_deltanet" for lay in self.layers):
             raise DFlashError("--max-kv-size applies to targets of attention layers alone, "
                               "not to this one's linear-attention layers.")  # fmt: skip
         caches = [self.layer_cache(i, kv, max_kv_size) for i in range(self.num_layers)]
@@ -312,7 +139,7 @@ class Target:
         standard = [
             i
             for i, layer in enumerate(self.layers)
-            if not _is_linear(layer) and not is_mla(layer.self_attn) and self.windows[i] is None
+            if mixer(layer) == "attention" and self.windows[i] is None
         ]
         return KVArena(standard)
 
@@ -320,7 +147,7 @@ class Target:
         """Layer i's cache: recurrent state, a window's K/V, or all K/V (quantized with `kv`,
         at most `max_kv_size` positions with it)."""
         layer = self.layers[i]
-        if _is_linear(layer):
+        if mixer(layer) == "gated_deltanet":
             return RecurrentCache()
         window = self.windows[i]
         if kv is None and max_kv_size is None:
@@ -329,7 +156,7 @@ class Target:
         why = None
         if window is not None:
             why = "sliding-window layers (mlx-lm cannot quantize its rotating cache either)"
-        elif is_mla(layer.self_attn):
+        elif mixer(layer) == "mla":
             why = "multi-head latent attention, whose cache holds a latent, not keys and values"
         elif any(getattr(layer.self_attn, a, None) is not None
                  for a in ("sinks", "attention_sink_bias")):  # fmt: skip
@@ -408,50 +235,15 @@ class Target:
             held = self._draft_heads[key] = (weight, rows)
         return held[1]
 
-    def forward(
-        self,
-        tokens: mx.array,
-        cache: list[KVCache],
-        start: int,
-        parents: np.ndarray | None = None,
-        logits: str = "all",
-        taps: bool = True,
-        rewindable: bool = True,
-    ) -> tuple[mx.array | None, mx.array | None]:
-        """Run T tokens after `start` cached positions.
+    def forward(self, passes: list[Pass]) -> list[tuple[mx.array | None, mx.array | None]]:
+        """Each pass's (logits, taps), one alone or several packed (models/forward.py).
 
-        parents=None: a causal block at positions start..start+T-1. Otherwise a tree: token i
-        sits at start + depth(i) and sees the prefix, itself and its ancestors.
-        Returns (logits (T or 1, V) per `logits` in {"all", "last", "none"}, taps (T, n*H)).
-        rewindable=False (prefill, plain decoding) lets recurrent layers skip the verify tape.
-        """
-        positions = mx_parents = None
-        if parents is not None:
-            positions = mx.array(start + tree_depths(parents), dtype=mx.int32)
-            mx_parents = mx.array(parents, dtype=mx.int32)
-        tree = (positions, mx_parents, parents)
-        if self.stage is not None:
-            return self.stage.forward(self, tokens, cache, start, tree, logits, taps, rewindable)
-        n = int(tokens.shape[0])
-        h, tapped = self.run_layers(
-            pad_rows(self.embed(tokens[None]), self.rows(n)),
-            range(self.num_layers),
-            cache,
-            start,
-            tree,
-            set(self.tap_ids) if taps else set(),
-            rewindable,
-            real=n,
-        )
-        out_taps = None
-        if tapped:  # config order, not layer order
-            out_taps = mx.concatenate([tapped[t][:n] for t in self.tap_ids], axis=-1)
-        return self.head(h, logits, real=n), out_taps
-
-    def forward_rows(self, passes: list) -> list[tuple[mx.array | None, mx.array | None]]:
-        """Several sessions' forwards (models/packed.py Pass) as one packed forward: each
-        row's (logits, taps), as `forward` gives it alone."""
-        return forward_packed(self, passes)
+        A pass of T tokens after `start` cached positions: parents=None, a causal block at
+        start..start+T-1; else a tree, token i at start + depth(i) seeing the prefix, itself
+        and its ancestors. Logits (T or 1, V) per its `logits` in {"all", "last", "none"},
+        taps (T, n*H); rewindable=False (prefill, plain decoding) lets recurrent layers skip
+        the verify tape."""
+        return forward(self, passes)
 
     def head(self, h: mx.array, logits: str, real: int | None = None) -> mx.array | None:
         """Final norm and LM head over all positions, the last one, or none; `real`: how many
@@ -477,72 +269,6 @@ class Target:
             if cap:
                 logits = mx.tanh(logits / cap) * cap
         return logits
-
-    def run_layers(
-        self, h, layers, cache, start, tree, tap_set, rewindable, real=None
-    ) -> tuple[mx.array, dict[int, mx.array]]:
-        """Layers `layers` over hidden states h (1, T, H); the tapped ones' outputs by index.
-        `tree`: (positions, parents as mx, parents as numpy), all None for a causal block.
-        `real`: how many of the T rows are tokens, the rest row padding (models/rows.py)."""
-        real = h.shape[1] if real is None else real
-        positions, parents, np_parents = tree
-        # The tree's ancestor mask, built by the first attention layer; whether this forward is
-        # a verify (its rows stand for steps of their own: models/attention.py, quantized KV).
-        masks: dict = {"verify": rewindable}
-        tapped = {}
-        for i in layers:
-            layer, c = self.layers[i], cache[i]
-
-            def mix(x, layer=layer, c=c, i=i):
-                if _is_linear(layer):
-                    gdn = layer.linear_attn
-                    return on_real_rows(
-                        lambda y: gdn_forward(gdn, y, c, start, np_parents, rewindable), x, real
-                    )
-                if is_mla(layer.self_attn):
-                    mla = layer.self_attn
-                    return on_real_rows(
-                        lambda y: mla_attention(mla, y, c, start, positions, parents, masks),
-                        x,
-                        real,
-                    )
-                spec = self.family.attention
-                window = self.windows[i]
-                return attention(
-                    layer.self_attn, spec, x, c, start, positions, parents, masks, window, real
-                )
-
-            h = self.family.block(layer, h, mix)
-            if i in tap_set:
-                tapped[i] = h[0]
-        return h, tapped
-
-
-def layer_windows(inner, text: dict) -> list[int | None]:
-    """Each layer's sliding window, None for a global layer, as mlx-lm's modules mark them:
-    `is_sliding` (Gemma 4, Muse Glimmer), `is_sliding_window` (MiMo), the model's
-    `layer_types` (gpt-oss)."""
-    window = int(text.get("sliding_window") or text.get("sliding_window_size") or 0) or None
-    types = getattr(inner, "layer_types", None)
-    out: list[int | None] = []
-    for i, layer in enumerate(inner.layers):
-        attn = getattr(layer, "self_attn", None)
-        sliding = bool(
-            getattr(attn, "is_sliding", False)
-            or getattr(layer, "is_sliding_window", False)
-            or (types is not None and types[i] == "sliding_attention")
-        )
-        out.append(window if sliding else None)
-    return out
-
-
-def language_model(model: nn.Module) -> Any:
-    """The text model inside a multimodal wrapper (Gemma 4, Qwen3.5), else the model itself."""
-    return model["language_model"] if "language_model" in model else model
-
-
-def _is_linear(layer) -> bool:
-    return bool(getattr(layer, "is_linear", False))
 
 
 def load_target(path: str | Path, lazy: bool = False) -> Target:
