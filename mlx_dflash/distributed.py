@@ -63,7 +63,7 @@ class World:
         out = np.array(mx.distributed.all_sum(x, group=self.group)).astype(np.int64)
         self.collectives += 1
         self.bytes_agreed += 4 * a.size
-        self.beat()
+        self.heartbeat()
         return out
 
     def all_min(self, value: int) -> int:
@@ -91,7 +91,7 @@ class World:
         mine = x if self.is_main else x * 0
         return mx.distributed.all_sum(mine, group=self.group)
 
-    def beat(self) -> None:
+    def heartbeat(self) -> None:
         self._beat = time.monotonic()
 
     @contextlib.contextmanager
@@ -102,7 +102,7 @@ class World:
             yield
         finally:
             self.waiting = False
-            self.beat()
+            self.heartbeat()
 
     def send_text(self, text: str | None) -> str | None:
         """Rank 0's line of text (None: end of input) on every rank."""
@@ -115,7 +115,7 @@ class LocalWorld:
     """One process: every decision is already everyone's.
 
     The null object of `World`, with the same methods: a target that is not sharded holds it,
-    so the engine and the commands call `agree`, `beat` or `idle` alike on one Mac or several,
+    so the engine and the commands call `agree`, `heartbeat` or `idle` alike on one Mac or several,
     and no code outside this module asks whether a world exists.
     """
 
@@ -141,7 +141,7 @@ class LocalWorld:
     def agree_device(self, x: mx.array) -> mx.array:
         return x
 
-    def beat(self) -> None:
+    def heartbeat(self) -> None:
         pass
 
     def idle(self) -> contextlib.AbstractContextManager:
@@ -260,10 +260,10 @@ def shard(target, world: World) -> None:
     model.shard(world.group)
     mx.eval(model.parameters())
     target.world = world
-    world.beat()
+    world.heartbeat()
 
 
-class NotHere:
+class OtherRankCache:
     """The cache of a layer another pipeline stage runs: never written, never in the way."""
 
     offset = 0
@@ -310,7 +310,7 @@ class Stage:
 
     def make_cache(self, target) -> list:
         return [
-            target.layer_cache(i) if self.lo <= i < self.hi else NotHere()
+            target.layer_cache(i) if self.lo <= i < self.hi else OtherRankCache()
             for i in range(target.num_layers)
         ]
 
@@ -361,13 +361,13 @@ def pipeline(target, world: World) -> None:
     bounds = [round(i * n / world.size) for i in range(world.size + 1)]
     target.stage = Stage(world, bounds[world.rank], bounds[world.rank + 1], n)
     target.world = world
-    world.beat()
+    world.heartbeat()
 
 
 # mypy checks these against the engine's protocols (engine/contract.py)
 if TYPE_CHECKING:
     from .engine import contract
 
-    _conforms_nothere: type[contract.Cache] = NotHere
+    _conforms_nothere: type[contract.Cache] = OtherRankCache
     _conforms_world: type[contract.World] = World
     _conforms_localworld: type[contract.World] = LocalWorld

@@ -1,4 +1,4 @@
-"""A forward of n tokens with and without row padding (models/rows.py), interleaved so that the
+"""A forward of n tokens with and without row padding (models/padding.py), interleaved so that the
 machine's drift is shared: median ms each, and the padded row count the table chose.
 
     .venv/bin/python scripts/row_padding.py -m models/smollm2-135m-instruct-f32

@@ -97,7 +97,7 @@ def session_environment(tmp_path_factory):
     """Before any fixture loads a model (module-scoped ones included): caches (verify
     profiles, padding tables, kernel verdicts) in one folder per test session, never the
     user's ~/.cache, every loaded target's forwards padded to multiples of 16 rows
-    (models/rows.py): deterministic, unlike a measured table, so every exactness test runs
+    (models/padding.py): deterministic, unlike a measured table, so every exactness test runs
     padded, and every float32 exponential of a forward through numpy at any size
     (kernels/cpu_math.py), so every exactness test runs through it too. A variable set
     outside the tests wins; a test may set its own."""

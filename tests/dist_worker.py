@@ -39,7 +39,7 @@ def main(spec_path: str) -> None:
         for i, rnd in enumerate(generate_rounds(Session(target, oracle), spec["prompt"], cfg)):
             out += rnd.tokens
             taus.append(rnd.accepted)
-            world.beat()
+            world.heartbeat()
             if die_after and world.rank == 1 and i == die_after:
                 os.kill(os.getpid(), signal.SIGKILL)
         results[name] = {"tokens": out, "taus": taus}

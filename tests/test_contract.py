@@ -157,7 +157,7 @@ def test_local_world_has_every_method_of_the_distributed_one():
     assert local.all_true(True) and not local.all_true(False)
     assert local.send_text("hi") == "hi" and not local.sharded and local.is_main
     with local.idle():
-        local.beat()
+        local.heartbeat()
 
 
 def test_an_unsharded_target_holds_the_local_world(target):

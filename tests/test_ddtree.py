@@ -137,8 +137,8 @@ def test_auto_budget_follows_verify_cost():
     tree = build_tree(0, np.array([[1, 2]] * 4), lp, 16)
     flat = VerifyProfile([1, 64], [1.0, 1.0])
     steep = VerifyProfile([1, 64], [1.0, 64.0])
-    assert choose_budget(tree, flat, t_fixed=0.1) == len(tree.tokens) - 1
-    b = choose_budget(tree, steep, t_fixed=0.1)
+    assert choose_budget(tree, flat, overhead=0.1) == len(tree.tokens) - 1
+    b = choose_budget(tree, steep, overhead=0.1)
     assert 0 <= b <= 2  # only the two 0.9-probability chain nodes can pay for themselves
     e = expected_tokens(tree)
     rates = e / (0.1 + steep.cost(np.arange(len(e)) + 1))
@@ -204,7 +204,7 @@ def test_a_stale_profile_is_scaled_by_the_verifies_the_round_times():
     tree = Tree(
         np.array([5, 6, 7]), np.array([-1, 0, 1]), np.array([0, 1, 2]), np.log([1, 0.6, 0.5])
     )
-    verify, t_fixed = float(now.cost(3)), 0.02
+    verify, overhead = float(now.cost(3)), 0.02
     for fresh in (False, True):
         policy = AutoBudget(stale)
         paused = 0
@@ -214,7 +214,7 @@ def test_a_stale_profile_is_scaled_by_the_verifies_the_round_times():
                 continue
             # 1.2 tokens a round in 0.135 s (8.9 tok/s) against plain steps at 0.105 s (9.5/s)
             policy.record_tree(
-                tree, 3, [0], 1 + (policy.tree_rounds % 5 == 0), t_fixed, t_fixed + verify
+                tree, 3, [0], 1 + (policy.tree_rounds % 5 == 0), overhead, overhead + verify
             )
             if not fresh:  # the old behaviour: the profile as cached
                 policy.speed, policy.pacer.plain = 1.0, (1.0, float(stale.cost(1)))
@@ -226,7 +226,7 @@ def test_a_stale_profile_is_scaled_by_the_verifies_the_round_times():
         else:
             assert paused == 0  # what a stale profile did
     policy.record_plain(0.2)  # a timed plain step: from now on the pacer's own measurement
-    policy.record_tree(tree, 3, [0], 1, t_fixed, t_fixed + verify)
+    policy.record_tree(tree, 3, [0], 1, overhead, overhead + verify)
     assert policy.pacer.plain[1] > float(now.cost(1))
 
 
@@ -253,10 +253,10 @@ def test_auto_budget_calibration_shrinks_trees_of_an_overconfident_drafter():
     lp = np.log(np.array([[0.9, 0.05]] * 6))
     tree = build_tree(0, np.array([[1, 2]] * 6), lp, 16)
     prof = VerifyProfile([1, 2, 64], [1.0, 1.3, 20.0])
-    trusted = choose_budget(tree, prof, t_fixed=0.5)
+    trusted = choose_budget(tree, prof, overhead=0.5)
     assert trusted == 6  # the 0.9-chain
-    assert choose_budget(tree, prof, t_fixed=0.5, calibration=0.5) < trusted
-    assert choose_budget(tree, prof, t_fixed=0.5, calibration=0.2) == 0
+    assert choose_budget(tree, prof, overhead=0.5, calibration=0.5) < trusted
+    assert choose_budget(tree, prof, overhead=0.5, calibration=0.2) == 0
 
 
 def test_a_confident_lookup_branch_skips_the_drafter_pass():

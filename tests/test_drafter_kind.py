@@ -36,9 +36,9 @@ class PathDrafts:
     def tree(self, root: int, budget: int, branching: int, temperature: float) -> Tree:
         return graft(root_only(root), [self.tokens[:budget]], log_prob=-0.5)
 
-    def constrained_tree(self, root, budget, branching, temperature, grammar, room, cut):
+    def constrained_tree(self, root, budget, branching, temperature, grammar, tokens_left, cut):
         tree, pruned = prune_tree(self.tree(root, budget, branching, temperature), grammar)
-        return with_certain_run(cut(tree), grammar, min(room, budget)), pruned
+        return with_certain_run(cut(tree), grammar, min(tokens_left, budget)), pruned
 
 
 class BigramDrafter:

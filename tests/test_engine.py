@@ -107,18 +107,18 @@ def test_runners_share_their_draft_vocabularys_head_rows(target):
     drafter = random_drafter(target).drafter
     drafter.draft_vocab = np.arange(0, target.vocab_size, 3)
     a, b = DrafterRunner(drafter, target), DrafterRunner(drafter, target)
-    assert a.rows is b.rows
+    assert a.head_rows is b.head_rows
     drafter.draft_vocab = np.arange(1, target.vocab_size, 3)
     c = DrafterRunner(drafter, target)
     drafter.draft_vocab = None
-    assert c.rows is not a.rows
-    np.testing.assert_array_equal(np.array(c.rows), np.array(target.lm_head_rows(c.vocab)))
+    assert c.head_rows is not a.head_rows
+    np.testing.assert_array_equal(np.array(c.head_rows), np.array(target.lm_head_rows(c.vocab)))
     layer = target._untied_head() or target.inner.embed_tokens  # the head, tied or not
     old = layer.weight
     layer.weight = old * 2  # new weights loaded: the rows are gathered again
     try:
         again = target.draft_head_rows(np.arange(1, target.vocab_size, 3))
-        np.testing.assert_allclose(np.array(again), 2 * np.array(c.rows), rtol=1e-6)
+        np.testing.assert_allclose(np.array(again), 2 * np.array(c.head_rows), rtol=1e-6)
     finally:
         layer.weight = old
 

@@ -276,7 +276,7 @@ def test_grammar_tree_prunes_and_adds_certain_runs(target):
     x, yes, no = enc("x")[0], enc("yes"), enc("no")
     cand = np.array([[x, yes[0], no[0]], [yes[0], no[0], x], [x, x, x], [x, x, x]])
     lp = np.log(np.array([[0.5, 0.3, 0.2], [0.6, 0.3, 0.1], [0.9, 0.05, 0.05], [0.9, 0.05, 0.05]]))
-    tree, pruned = best_first(0, marginal_child(cand, lp), 4, 3, 20, g, room=20)
+    tree, pruned = best_first(0, marginal_child(cand, lp), 4, 3, 20, g, tokens_left=20)
     kids = tree.children()
     assert pruned > 0
     for i in range(1, len(tree.tokens)):
@@ -287,7 +287,7 @@ def test_grammar_tree_prunes_and_adds_certain_runs(target):
         assert g.matcher.validate_tokens(path) == len(path)
     assert tree.tokens[1] == x and not tree.is_certain()[1]
     assert tree.is_certain().sum() > 0  # "123" after "yes" / "no" is forced
-    chain, _ = best_first(0, marginal_child(cand, lp), 4, 3, 20, g, room=20, branching=1)
+    chain, _ = best_first(0, marginal_child(cand, lp), 4, 3, 20, g, tokens_left=20, branching=1)
     assert all(len(k) <= 1 for k in chain.children())
     assert g.branch == [] and len(kids[0]) == 1
 

@@ -254,8 +254,8 @@ def test_rounds_index_exactly_the_text_so_far(target, monkeypatch):
     checked = []
     real = DDTree._lookup_chains
 
-    def checking(self, tree, last, room, drafting):
-        chains = real(self, tree, last, room, drafting)
+    def checking(self, tree, last, tokens_left, drafting):
+        chains = real(self, tree, last, tokens_left, drafting)
         assert self.lookup.tokens == [*self.session.tokens, last]
         checked.append(1)
         return chains

@@ -83,7 +83,7 @@ def stream(session, ids, cfg, world, stop: list[str], show: bool) -> tuple[str, 
         if stats.finish and not hit:
             piece += cut.flush()
         text.append(piece)
-        world.beat()
+        world.heartbeat()
         if world.is_main and show:  # only rank 0 prints
             sys.stdout.write(piece)
             sys.stdout.flush()

@@ -356,7 +356,7 @@ def slow_verify_note(target, model: str | None, mode: str, budget=None) -> str |
     that the engine decodes plainly (engine/loop.py). None where it does not apply."""
     from ..engine.budget import PROBE_TOKENS, speculation_pays, verify_steps
     from ..engine.device import on_cpu
-    from ..models.rows import blas_weights
+    from ..models.padding import blas_weights
 
     if not speculates(mode) or not on_cpu() or target.stage is not None:
         return None

@@ -163,8 +163,8 @@ class Batcher:
             gains = [s.p.policy.gains(s.p.tree) for s in batch]
             # The passes already waiting: plain steps and blocks emit about a token each.
             base = sum(int(s.p.tokens.shape[0]) for s in self._pending)
-            t_fixed = float(np.mean([p.t_fixed for p in policies]))
-            budgets = split_budget(gains, base, len(self._pending), t_fixed, policies[0].profile)
+            overhead = float(np.mean([p.overhead for p in policies]))
+            budgets = split_budget(gains, base, len(self._pending), overhead, policies[0].profile)
             for slot, b in zip(batch, budgets, strict=True):
                 slot.result = int(b)
         except Exception as e:  # every row waiting on it hears of it, in its own round

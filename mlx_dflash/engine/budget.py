@@ -126,7 +126,7 @@ MIN_IDEAL_SPEEDUP = 2.0
 
 def profile_name(target) -> str:
     """The cache name of the target's verify profile: per model and machine (paths.profile_key),
-    apart for a forward padded to BLAS's cheaper row counts (models/rows.py), and apart for
+    apart for a forward padded to BLAS's cheaper row counts (models/padding.py), and apart for
     each choice of verify kernel paths (models/quantized.py)."""
     return profile_key(target) + target.forward_paths
 
@@ -172,7 +172,7 @@ class MarginalProfile:
 
 
 def choose_budget(
-    tree: Tree, profile: VerifyProfile | MarginalProfile, t_fixed: float, calibration: float = 1.0
+    tree: Tree, profile: VerifyProfile | MarginalProfile, overhead: float, calibration: float = 1.0
 ) -> int:
     """The budget that maximises expected tokens per second for this round.
 
@@ -182,7 +182,7 @@ def choose_budget(
     """
     b = np.arange(len(tree.tokens))
     gain = expected_tokens(tree, calibration)
-    rate = gain / (t_fixed + profile.cost(b + 1))
+    rate = gain / (overhead + profile.cost(b + 1))
     return int(np.argmax(rate))
 
 
@@ -190,7 +190,7 @@ def split_budget(
     gains: list[np.ndarray],
     base_tokens: float,
     base_gain: float,
-    t_fixed: float,
+    overhead: float,
     profile: VerifyProfile,
 ) -> list[int]:
     """One verify budget for a batch's round, split across its rows' trees (engine/batch.py).
@@ -213,7 +213,7 @@ def split_budget(
     total = np.concatenate([[0.0], np.cumsum(np.concatenate(gains)[order])])
     roots = len(gains)
     n = np.arange(len(total))
-    rate = (base_gain + roots + total) / (t_fixed + profile.cost(base_tokens + roots + n))
+    rate = (base_gain + roots + total) / (overhead + profile.cost(base_tokens + roots + n))
     best = int(np.argmax(rate))
     return np.bincount(rows[order[:best]], minlength=roots).tolist()
 
@@ -312,7 +312,7 @@ class FixedBudget:
         n_drafted: int,
         path: list[int],
         emitted: int,
-        t_fixed: float,
+        overhead: float,
         t: float,
         t_draft: float = 0.0,
     ) -> None:
@@ -322,7 +322,7 @@ class FixedBudget:
 class AutoBudget:
     """`--budget auto`: the state it keeps between rounds, and the measured verify profile.
 
-    - `t_fixed`: a running estimate of a round's cost beyond the verify (draft, bookkeeping);
+    - `overhead`: a running estimate of a round's cost beyond the verify (draft, bookkeeping);
     - `expected` / `realised`: running extra tokens, predicted by the drafter vs accepted,
       whose ratio (`calibration`) scales the drafter's confidence;
     - the `Pacer`, which pauses drafting while tree rounds lose to plain steps;
@@ -338,7 +338,7 @@ class AutoBudget:
     def __init__(self, profile: VerifyProfile):
         self.profile = profile
         self.pacer = Pacer(float(profile.cost(1)))
-        self.t_fixed = 0.0
+        self.overhead = 0.0
         self.expected = self.realised = 0.0
         self.tree_rounds = 0
         # Per round that ran the drafter: its pass's seconds and the nodes it added (running
@@ -397,7 +397,7 @@ class AutoBudget:
         its own, or in a batch its share of the round's one budget (`split_budget`)."""
         b = self.batch.allot(self, tree) if self.batch is not None else None
         if b is None:
-            b = choose_budget(tree, self.costs(), self.t_fixed, self.calibration)
+            b = choose_budget(tree, self.costs(), self.overhead, self.calibration)
         return tree.prefix(b + 1)
 
     def gains(self, tree: Tree) -> np.ndarray:
@@ -412,10 +412,10 @@ class AutoBudget:
         # The drafter's nodes at its calibrated confidence, grammar drafts as certain.
         base = expected_tokens(tree, self.calibration if drafted else 1.0)[-1]
         costs = self.costs()
-        best, best_rate = 0, base / (self.t_fixed + costs.cost(len(tree.tokens)))
+        best, best_rate = 0, base / (self.overhead + costs.cost(len(tree.tokens)))
         for length in range(1, max(len(c) for c in chains) + 1):
             size = len(graft(tree, [c[:length] for c in chains]).tokens)
-            rate = (base + lookup_stats.expected(length)) / (self.t_fixed + costs.cost(size))
+            rate = (base + lookup_stats.expected(length)) / (self.overhead + costs.cost(size))
             if rate > best_rate:
                 best, best_rate = length, rate
         return [c[:best] for c in chains] if best else []
@@ -435,10 +435,10 @@ class AutoBudget:
         got = 1.0 + lookup_stats.expected(max(len(c) for c in chains))
         # `realised` is a running mean started at 0: unbias it by the rounds it has seen.
         drafter = self.realised / (1.0 - 0.9**self.drafted_rounds)
-        costs, t_other = self.costs(), max(self.t_fixed - self.t_draft, 0.0)
+        costs, t_other = self.costs(), max(self.overhead - self.t_draft, 0.0)
         alone = got / (t_other + float(costs.cost(size)))
         joined = (got + (1.0 - lookup_stats.rate) * drafter) / (
-            self.t_fixed + float(costs.cost(size + self.drafter_nodes))
+            self.overhead + float(costs.cost(size + self.drafter_nodes))
         )
         return alone >= joined
 
@@ -454,14 +454,14 @@ class AutoBudget:
         n_drafted: int,
         path: list[int],
         emitted: int,
-        t_fixed: float,
+        overhead: float,
         t: float,
         t_draft: float = 0.0,
     ) -> None:
         """A tree round: its first `n_drafted` nodes were the drafter's (0: lookup only), it
-        accepted `path`, emitted `emitted` tokens, spent `t_fixed` outside the verify (of it
+        accepted `path`, emitted `emitted` tokens, spent `overhead` outside the verify (of it
         `t_draft` in the drafter's pass) and `t` in all."""
-        self.t_fixed = smooth(self.t_fixed, t_fixed, COST_WEIGHT, first=not self.t_fixed)
+        self.overhead = smooth(self.overhead, overhead, COST_WEIGHT, first=not self.overhead)
         if n_drafted:
             first = self.drafted_rounds == 0
             self.t_draft = smooth(self.t_draft, t_draft, COST_WEIGHT, first)
@@ -478,14 +478,14 @@ class AutoBudget:
         self.tree_rounds += 1
         if self.batch is not None:  # the verify's share of the packed forward, not its wall
             costs = self.costs()
-            t = t_fixed + float(costs.cost(len(tree.tokens)))
+            t = overhead + float(costs.cost(len(tree.tokens)))
             # And the plain step it is weighed against is a token's share too, now: not the
             # forward of its own the pacer starts from, which made every tree round look like
             # a win in a batch (so no plain step ever came to correct it, and rows drafted
             # every round at tau ~1 while plain rows ran 1.4x faster).
             self.pacer.plain = (1.0, float(costs.cost(1)))
         else:
-            self._time_verify(len(tree.tokens), t - t_fixed)
+            self._time_verify(len(tree.tokens), t - overhead)
         self.pacer.record_tree(emitted, t)
 
 

@@ -2,7 +2,7 @@
 
 The engine never imports `models/`; it runs whatever it is given through these four protocols.
 Every implementation (models/cache.py's KVCache, models/gated_deltanet.py's RecurrentCache,
-distributed.py's NotHere and worlds, models/drafter.py's DrafterRunner, models/target.py's
+distributed.py's OtherRankCache and worlds, models/drafter.py's DrafterRunner, models/target.py's
 Target, and the tests' oracle drafters) is checked against them by mypy (`make lint`), through
 the `_conforms` lines at the end of each implementing module.
 
@@ -94,11 +94,11 @@ class Proposal(Protocol):
         branching: int | None,
         temperature: float,
         grammar: Any,
-        room: int,
+        tokens_left: int,
         cut: Any,
     ) -> tuple[Any, int]:
         """Under a grammar (engine/grammar.py): (a tree of what it allows with its forced
-        runs, cut by the budget policy's `cut`; nodes pruned). No node deeper than `room`."""
+        runs, cut by the budget policy's `cut`; nodes pruned). No node deeper than `tokens_left`."""
         ...
 
 
@@ -168,7 +168,7 @@ class World(Protocol):
 
     def agree_device(self, x: mx.array) -> mx.array: ...
 
-    def beat(self) -> None: ...
+    def heartbeat(self) -> None: ...
 
     def idle(self) -> AbstractContextManager[Any]: ...
 

@@ -55,19 +55,19 @@ class DDTree:
         self.logprobs = cfg.logprobs
         self.budgets: list[int] = []  # each verified tree's size (bench and tests read them)
 
-    def __call__(self, last: int, n: int, rng, room: int) -> Round:
+    def __call__(self, last: int, n: int, rng, tokens_left: int) -> Round:
         """One round after `last`: the drafter drafts at most `n` deep, lookup branches at most
-        `room` (the tokens max_tokens still allows after the bonus)."""
+        `tokens_left` (the tokens max_tokens still allows after the bonus)."""
         session, policy = self.session, self.policy
         # rank 0's clock decides for all ranks; a grammar's certain run is always worth a verify
         want = policy.draft_now()
-        alone = self._lookup_alone(last, room) if want else None
-        agreed = session.agree([want, alone is not None])
-        drafting = bool(agreed[0]) and not agreed[1]
+        lookup_only = self._lookup_only(last, tokens_left) if want else None
+        want_agreed, lookup_only_agreed = session.agree([want, lookup_only is not None])
+        drafting = bool(want_agreed) and not lookup_only_agreed
         start = len(session.tokens)
         t0 = time.perf_counter()
         tree, n_drafted, chains, t_build, pruned, t_pass = self._draft(
-            last, start, n, room, drafting, alone if agreed[1] else None
+            last, start, n, tokens_left, drafting, lookup_only if lookup_only_agreed else None
         )
         if len(tree.tokens) == 1:  # nothing to verify: a plain step
             t_draft = time.perf_counter() - t0
@@ -88,8 +88,8 @@ class DDTree:
         t3 = time.perf_counter()
         drafted = n_drafted if self.drafter is not None else 0
         if drafting:
-            t_fixed = (t1 - t0) + (t3 - t2)
-            policy.record_tree(tree, drafted, path, len(out), t_fixed, t3 - t0, t_pass)
+            overhead = (t1 - t0) + (t3 - t2)
+            policy.record_tree(tree, drafted, path, len(out), overhead, t3 - t0, t_pass)
         else:  # a pause's round (lookup branches, a certain run): what not drafting earns
             policy.record_plain(t3 - t0, len(out), len(tree.tokens))
         certain = tree.is_certain()
@@ -130,30 +130,30 @@ class DDTree:
         last: int,
         start: int,
         n: int,
-        room: int,
+        tokens_left: int,
         drafting: bool = True,
-        alone: tuple[Tree, list[list[int]]] | None = None,
+        lookup_only: tuple[Tree, list[list[int]]] | None = None,
     ):
         """(tree, how many of its nodes the drafter made, lookup chains grafted, build time,
         nodes the grammar pruned, seconds in the drafter's pass and tree), agreed over the
-        ranks of a sharded target. Not `drafting` (auto's pause, or `alone`: the lookup-only
-        round `_lookup_alone` found), the drafter does not run: a grammar's certain run and
+        ranks of a sharded target. Not `drafting` (auto's pause, or `lookup_only`: the
+        lookup-only round `_lookup_only` found), the drafter does not run: a grammar's certain run and
         (with a drafter loaded) lookup branches still do."""
         t_pass = time.perf_counter()
         t_build, pruned, grammar = 0.0, 0, self.grammar
-        if alone is not None:
-            tree, chains = alone
+        if lookup_only is not None:
+            tree, chains = lookup_only
         elif drafting and self.drafter is not None:
-            tree, t_build, pruned = self._drafter_tree(self.drafter, last, start, n, room)
+            tree, t_build, pruned = self._drafter_tree(self.drafter, last, start, n, tokens_left)
         else:
-            tree = self._base_tree(last, room)
+            tree = self._base_tree(last, tokens_left)
         n_drafted, t_pass = len(tree.tokens), time.perf_counter() - t_pass
         # Lookup branches cost no drafter pass: a pause stops the drafter, not them (their own
         # measured acceptance cuts them). Only in --mode lookup, where they are all the round
         # drafts, does a pause stop them too.
-        if alone is None:
+        if lookup_only is None:
             looking = self.lookup is not None and (drafting or self.drafter is not None)
-            chains = self._lookup_chains(tree, last, room, drafting) if looking else []
+            chains = self._lookup_chains(tree, last, tokens_left, drafting) if looking else []
         tree = graft(tree, chains)
         if chains and grammar is not None:
             tree, cut = prune_tree(tree, grammar)
@@ -162,7 +162,7 @@ class DDTree:
         return tree, n_drafted, chains, t_build, pruned, t_pass
 
     def _drafter_tree(
-        self, drafter: Drafter, last: int, start: int, n: int, room: int
+        self, drafter: Drafter, last: int, start: int, n: int, tokens_left: int
     ) -> tuple[Tree, float, int]:
         max_b = self.policy.max_budget
         # A tree of max_b nodes is at most max_b deep: deeper slots' logits would go unused,
@@ -177,19 +177,21 @@ class DDTree:
             return self.policy.cut(proposal.tree(last, max_b, k, temp)), t_build, 0
         # Under a grammar: only what it allows, and its forced runs as certain nodes.
         tree, pruned = proposal.constrained_tree(
-            last, max_b, self.branching, temp, grammar, room, self.policy.cut
+            last, max_b, self.branching, temp, grammar, tokens_left, self.policy.cut
         )
         return tree, t_build, pruned
 
-    def _base_tree(self, last: int, room: int) -> Tree:
+    def _base_tree(self, last: int, tokens_left: int) -> Tree:
         """The round's tree before any drafter or lookup node: the root, and after it a
         grammar's certain run."""
         tree = root_only(last)
         if self.grammar is not None:
-            tree = with_certain_run(tree, self.grammar, min(room, self.policy.max_budget))
+            tree = with_certain_run(tree, self.grammar, min(tokens_left, self.policy.max_budget))
         return tree
 
-    def _lookup_chains(self, tree: Tree, last: int, room: int, drafting: bool) -> list[list[int]]:
+    def _lookup_chains(
+        self, tree: Tree, last: int, tokens_left: int, drafting: bool
+    ) -> list[list[int]]:
         """This round's lookup branches, as the budget policy cuts them."""
         # The index holds session.tokens + [last] as of its last call (this round's, or the
         # last round's, whose `last` is now in session.tokens): only what follows is new.
@@ -197,7 +199,7 @@ class DDTree:
         assert lookup is not None
         done = len(lookup.tokens)
         lookup.extend([*tokens[done:], last] if done <= len(tokens) else [])
-        length = min(self.lookup_len, room)
+        length = min(self.lookup_len, tokens_left)
         chains, self.chain_stats = lookup.branches(length), self.lookup_stats
         if not chains and self.corpus is not None:
             chains = self.corpus.branches(lookup.tokens, length, MAX_BRANCHES)
@@ -207,13 +209,13 @@ class DDTree:
         drafted = drafting and self.drafter is not None
         return self.policy.cut_lookup(tree, chains, self.chain_stats, drafted)
 
-    def _lookup_alone(self, last: int, room: int) -> tuple[Tree, list[list[int]]] | None:
+    def _lookup_only(self, last: int, tokens_left: int) -> tuple[Tree, list[list[int]]] | None:
         """This round without a drafter pass (its base tree and cut lookup branches), where
         the policy finds the branches enough (budget.py: AutoBudget.lookup_suffices)."""
         if self.drafter is None or self.lookup is None:
             return None
-        base = self._base_tree(last, room)
-        chains = self._lookup_chains(base, last, room, drafting=False)
+        base = self._base_tree(last, tokens_left)
+        chains = self._lookup_chains(base, last, tokens_left, drafting=False)
         if chains and self.policy.lookup_suffices(base, chains, self.chain_stats):
             return base, chains
         return None

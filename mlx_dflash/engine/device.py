@@ -5,7 +5,7 @@
   the small-M quantized matmul) and `wired` / `compute` below.
 - "gpu": another GPU through MLX's CUDA backend. Neither Metal kernels nor CPU tricks: stock MLX.
 - "cpu": MLX's CPU backend (this project's Linux bench). CPU tricks only: numpy exponentials
-  (kernels/cpu_math.py), the BLAS row padding (models/rows.py), host-side top-k and lattice
+  (kernels/cpu_math.py), the BLAS row padding (models/padding.py), host-side top-k and lattice
   sums (engine/tree.py, engine/lattice.py), the CPU attention path (kernels/cpu_attention.py).
 A CPU trick asks `device_class() == "cpu"`, never "not Metal", so it never runs on a GPU.
 

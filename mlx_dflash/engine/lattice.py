@@ -125,13 +125,13 @@ class LatticeDrafts:
         branching: int | None,
         temperature: float,
         grammar: Grammar,
-        room: int,
+        tokens_left: int,
         cut: Callable[[Tree], Tree],
     ) -> tuple[Tree, int]:
         """The lattice's tree of what the grammar allows, cut, and its forced run at the root."""
         k = min(branching or budget, budget)
         tree, pruned = lattice_tree(root, self.lattice, budget, k, temperature, grammar)
-        return with_certain_run(cut(tree), grammar, min(room, budget)), pruned
+        return with_certain_run(cut(tree), grammar, min(tokens_left, budget)), pruned
 
 
 def lattice_tree(

@@ -43,7 +43,7 @@ def round_function(
     if kind != "plain" and cfg.budget == "auto" and not speculation_pays(session.target):
         kind = "plain"
 
-    def plain(last: int, n: int, rng: np.random.Generator, room: int) -> Round:
+    def plain(last: int, n: int, rng: np.random.Generator, tokens_left: int) -> Round:
         return plain_round(session, last, sampling, rng, logprobs=cfg.logprobs, grammar=grammar)
 
     if kind == "plain":
@@ -55,11 +55,13 @@ def round_function(
         budget = "auto" if cfg.budget == "auto" else block - 1
         spec = DDTree(session, cfg, budget_policy(session.target, budget), grammar, branching=1)
     else:
-        spec = lambda last, n, rng, room: block_round(  # noqa: E731
+        spec = lambda last, n, rng, tokens_left: block_round(  # noqa: E731
             session, last, n, sampling, rng, cfg.profile, cfg.logprobs
         )
     # Where max_tokens allows no draft, the last token is a plain step.
-    return lambda last, n, rng, room: (plain if room == 0 else spec)(last, n, rng, room)
+    return lambda last, n, rng, tokens_left: (plain if tokens_left == 0 else spec)(
+        last, n, rng, tokens_left
+    )
 
 
 def pipelines(session: Session, cfg: GenerationConfig, grammar: Grammar | None) -> bool:
@@ -113,10 +115,12 @@ def generate_rounds(session: Session, prompt: list[int], cfg: GenerationConfig) 
             return
         next_round = round_function(session, cfg, grammar, bs)
         while True:
-            room = cfg.max_tokens - emitted - 1  # drafts allowed: never verify past max_tokens
+            tokens_left = (
+                cfg.max_tokens - emitted - 1
+            )  # drafts allowed: never verify past max_tokens
             g0 = grammar.seconds if grammar is not None else 0.0
             with compute():
-                rnd = next_round(last, min(bs - 1, room), rng, room)
+                rnd = next_round(last, min(bs - 1, tokens_left), rng, tokens_left)
             if grammar is not None:
                 rnd.t_grammar = grammar.seconds - g0
             emitted = _finish(rnd, emitted, cfg)

@@ -43,12 +43,14 @@ class Marginals:
         branching: int | None,
         temperature: float,
         grammar: Grammar,
-        room: int,
+        tokens_left: int,
         cut: Callable[[Tree], Tree],
     ) -> tuple[Tree, int]:
         k = min(max(min(branching or budget, budget), GRAMMAR_CANDIDATES), budget)
         cand_tok, cand_lp = top_candidates(self.logits, k)
         depth, width = cand_lp.shape
         child = marginal_child(cand_tok, cand_lp)
-        tree, pruned = best_first(root, child, depth, width, budget, grammar, room, branching)
+        tree, pruned = best_first(
+            root, child, depth, width, budget, grammar, tokens_left, branching
+        )
         return cut(tree), pruned

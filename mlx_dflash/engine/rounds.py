@@ -46,7 +46,7 @@ def prefill(session: Session, prompt: list[int], cfg: GenerationConfig) -> tuple
         logits, taps = target.forward([p])[0]
         session.commit(chunk, taps)
         _sync((logits, [c.state_arrays for c in session.cache]))
-        session.world.beat()  # a long prefill is progress too (a sharded target's watchdog)
+        session.world.heartbeat()  # a long prefill is progress too (a sharded target's watchdog)
     session.mark_prompt_end()
     dt = time.perf_counter() - t0
     assert logits is not None  # rewind leaves at least one prompt token to run
@@ -218,7 +218,7 @@ class PipelinedSteps:
         mx.async_eval(nxt)
         return nxt
 
-    def __call__(self, last: int, n: int = 0, rng=None, room: int = 0) -> Round:
+    def __call__(self, last: int, n: int = 0, rng=None, tokens_left: int = 0) -> Round:
         t0 = time.perf_counter()
         s = self.session
         if self.pending is None:  # the first step runs `last`, as a plain round would

@@ -151,7 +151,7 @@ def best_first(
     width: int,
     budget: int,
     grammar: Grammar | None = None,
-    room: int | None = None,
+    tokens_left: int | None = None,
     branching: int | None = None,
     runs: bool = True,
 ) -> tuple[Tree, int]:
@@ -162,11 +162,11 @@ def best_first(
     candidate `state` (None at the root and after a forced token): (token, log-prob, state).
     grammar, an allow-filter: a candidate it refuses on its path is skipped and counted; its
     forced runs follow at once as certain nodes at their parent's log-prob (`runs`), nothing
-    follows the answer's end. branching: drafted children a node at most; room: the deepest
+    follows the answer's end. branching: drafted children a node at most; tokens_left: the deepest
     node. Returns (tree, candidates refused); the grammar is left at the emitted tokens.
     """
-    room = budget if room is None else room
-    limit = min(depth, room)
+    tokens_left = budget if tokens_left is None else tokens_left
+    limit = min(depth, tokens_left)
     nodes = _Nodes(root, paths=grammar is not None)
     heap: list[tuple[float, int, int, int]] = []  # (-path log-prob, depth, rank, parent)
     refused = 0
@@ -175,7 +175,9 @@ def best_first(
         """Add the grammar's forced run after `node`, then push its best child."""
         dep, lps = nodes.dep, nodes.lps
         if grammar is not None:
-            run = grammar.run_after(nodes.paths[node], min(budget + 1 - len(dep), room - dep[node]))
+            run = grammar.run_after(
+                nodes.paths[node], min(budget + 1 - len(dep), tokens_left - dep[node])
+            )
             if run is None:
                 return
             for t in run if runs else ():

@@ -16,7 +16,7 @@ from ..kernels.cpu_attention import cpu_attention, use_cpu_attention
 from ..kernels.tree_attention import ancestor_mask, tree_attention, tree_mask
 from .arena import SlotCache, plan_forward, step_attention
 from .cache import KVCache, QuantizedKVCache, RotatingKVCache, rotating_mask
-from .rows import pad_rows
+from .padding import pad_rows
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def attention(
     else start..start+T-1) and causal or tree attention (`parents`); K/V appended to `cache`.
     `masks` is shared by the layers of one verify, so a tree's mask is built once.
     `window`: a sliding-window layer's width (a query sees the `window` newest positions).
-    `real`: how many of x's rows are tokens; the rest are row padding (models/rows.py), which
+    `real`: how many of x's rows are tokens; the rest are row padding (models/padding.py), which
     the projections run over and nothing else sees."""
     q, k, v, gate = _qkv(attn, spec, x, start, positions, real)
     out = attend_cached(attn, q, k, v, cache, start, positions, parents, masks, window)
@@ -61,7 +61,7 @@ def attention(
 
 def packed_attention(attn, spec: AttentionSpec, x, positions, rows, window=None) -> mx.array:
     """Several sequences' tokens packed along x (1, sum T, H) (models/forward.py): the
-    projections run once over all of them (and any row padding after them, models/rows.py),
+    projections run once over all of them (and any row padding after them, models/padding.py),
     then each row `(a, b, cache, start, positions, parents, masks)` (its tokens a:b) attends
     over its own cache. `positions`: every packed token's position."""
     real = rows[-1][1]
@@ -147,7 +147,7 @@ def attend_cached(attn, q, k, v, cache, start, positions, parents, masks, window
 
 def _output(attn, out, gate, rows: int | None = None) -> mx.array:
     """(1, heads, T, Dv) attention output, gated, through o_proj (at `rows` rows, zero rows of
-    padding after the T real ones: models/rows.py)."""
+    padding after the T real ones: models/padding.py)."""
     T = out.shape[2]
     out = out.transpose(0, 2, 1, 3).reshape(1, T, -1)
     if gate is not None:

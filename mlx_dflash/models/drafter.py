@@ -255,11 +255,11 @@ class DrafterRunner:
         # they pile up and are projected in one matmul when a draft next needs them.
         self._pending: list[mx.array] = []
         self._pending_rows = 0
-        self.vocab = self.rows = self.outside = None
+        self.vocab = self.head_rows = self.outside = None
         if drafter.draft_vocab is not None:
             self.vocab = mx.array(drafter.draft_vocab.astype(np.int32))
             if target.vocab_sharding is None:
-                self.rows = target.draft_head_rows(drafter.draft_vocab)  # (S, H), shared
+                self.head_rows = target.draft_head_rows(drafter.draft_vocab)  # (S, H), shared
             else:  # each rank holds a slice of the head: full logits, then the vocabulary
                 outside = np.ones(target.vocab_size, dtype=bool)
                 outside[drafter.draft_vocab] = False
@@ -313,7 +313,7 @@ class DrafterRunner:
             return drafter_logits(cfg, self.target, h)
         if self.outside is not None:
             return mx.where(self.outside, -mx.inf, drafter_logits(cfg, self.target, h))
-        sub = drafter_logits(cfg, self.target, h, rows=self.rows)
+        sub = drafter_logits(cfg, self.target, h, rows=self.head_rows)
         full = mx.full((n, self.target.vocab_size), -mx.inf, dtype=sub.dtype)
         full[:, self.vocab] = sub  # tokens outside the draft vocabulary are never proposed
         return full

@@ -6,7 +6,7 @@ tree, a prefill chunk, a plain step. One pass runs as it is. Several (the batche
 matrix is read once for all rows (projections, MLP / MoE, the LM head), while attention, Gated
 DeltaNet recurrences and MLA run row by row over each row's own cache, positions and mask. No
 padding between rows: rows of 1 and of 60 tokens cost what their tokens cost (only the total
-may be padded to a row count BLAS runs faster, models/rows.py).
+may be padded to a row count BLAS runs faster, models/padding.py).
 
 Each packed row's result is what its pass gives alone, up to float rounding (a matmul over more
 rows may sum in another order), the same tolerance speculative verification already has against
@@ -28,13 +28,13 @@ from .attention import attention, packed_attention
 from .families import mixer
 from .gated_deltanet import gdn_forward
 from .mla import mla_attention
-from .rows import on_real_rows, pad_rows
+from .padding import on_real_rows, pad_rows
 
 Outputs = tuple[mx.array | None, mx.array | None]  # a pass's (logits, taps)
 
 
 @dataclass
-class Row:
+class Span:
     """A pass placed in the forward's sequence: its tokens a:b, and what its attention needs."""
 
     a: int
@@ -45,14 +45,14 @@ class Row:
     masks: dict  # built once per forward, shared by its layers (a tree's ancestor mask)
 
 
-def place(p: Pass, a: int = 0) -> Row:
+def place(p: Pass, a: int = 0) -> Span:
     """Pass p at tokens a:a+T of the forward's sequence."""
     pos = par = None
     if p.parents is not None:  # a tree: token i at start + depth(i), and its parents
         pos = mx.array(p.start + tree_depths(p.parents), dtype=mx.int32)
         par = mx.array(p.parents, dtype=mx.int32)
     # whether this forward is a verify (its rows stand for steps of their own: quantized KV)
-    return Row(a, a + int(p.tokens.shape[0]), p, pos, par, {"verify": p.rewindable})
+    return Span(a, a + int(p.tokens.shape[0]), p, pos, par, {"verify": p.rewindable})
 
 
 def forward(target, passes: list[Pass]) -> list[Outputs]:
@@ -62,82 +62,82 @@ def forward(target, passes: list[Pass]) -> list[Outputs]:
         (p,) = passes
         if target.stage is not None:  # a pipeline stage: my layers only (distributed.py)
             return [target.stage.forward(target, p)]
-        row = place(p)
-        h = pad_rows(target.embed(p.tokens[None]), target.rows(row.b))
-        h, tapped = run_layers(target, h, range(target.num_layers), [row])
+        span = place(p)
+        h = pad_rows(target.embed(p.tokens[None]), target.padded_rows(span.b))
+        h, tapped = run_layers(target, h, range(target.num_layers), [span])
         taps = None
         if tapped:
-            taps = mx.concatenate([tapped[t][: row.b] for t in target.tap_ids], axis=-1)
-        return [(target.head(h, p.logits, real=row.b), taps)]
+            taps = mx.concatenate([tapped[t][: span.b] for t in target.tap_ids], axis=-1)
+        return [(target.head(h, p.logits, real=span.b), taps)]
     if target.stage is not None:
         raise DFlashError("Batched rounds do not run on a target sharded over several machines.")
-    rows, a = [], 0
+    spans, a = [], 0
     for p in passes:
-        rows.append(place(p, a))
-        a = rows[-1].b
+        spans.append(place(p, a))
+        a = spans[-1].b
     h = target.embed(mx.concatenate([p.tokens for p in passes])[None])
-    h = pad_rows(h, target.rows(a))  # the dense layers' cheaper row count (models/rows.py)
-    h, tapped = run_layers(target, h, range(target.num_layers), rows)
-    return _outputs(target, h, rows, tapped)
+    h = pad_rows(h, target.padded_rows(a))  # the cheaper row count (models/padding.py)
+    h, tapped = run_layers(target, h, range(target.num_layers), spans)
+    return _outputs(target, h, spans, tapped)
 
 
-def run_layers(target, h: mx.array, layers, rows: list[Row]) -> tuple[mx.array, dict]:
-    """Layers `layers` over hidden states h (1, T, H) holding `rows`; the tapped layers'
-    outputs by index (where some row asks for taps)."""
-    tap_set = set(target.tap_ids) if any(r.p.taps for r in rows) else set()
+def run_layers(target, h: mx.array, layers, spans: list[Span]) -> tuple[mx.array, dict]:
+    """Layers `layers` over hidden states h (1, T, H) holding the passes' `spans`; the tapped
+    layers' outputs by index (where some pass asks for taps)."""
+    tap_set = set(target.tap_ids) if any(r.p.taps for r in spans) else set()
     positions = None
-    if len(rows) > 1:  # every packed token's position, for the projections' RoPE
-        every = np.concatenate([r.p.positions() for r in rows])
+    if len(spans) > 1:  # every packed token's position, for the projections' RoPE
+        every = np.concatenate([r.p.positions() for r in spans])
         positions = mx.array(every, dtype=mx.int32)
     tapped: dict[int, mx.array] = {}
     for i in layers:
-        h = target.family.block(target.layers[i], h, _mixer(target, i, rows, positions))
+        h = target.family.block(target.layers[i], h, _mixer(target, i, spans, positions))
         if i in tap_set:
             tapped[i] = h[0]
     return h, tapped
 
 
-def _mixer(target, i: int, rows: list[Row], positions: mx.array | None):
-    """Layer i's token mixer over the forward's sequence, row by row where it reads a cache
-    (one row: over the whole sequence's real tokens)."""
+def _mixer(target, i: int, spans: list[Span], positions: mx.array | None):
+    """Layer i's token mixer over the forward's sequence, span by span where it reads a cache
+    (one span: over the whole sequence's real tokens)."""
     layer = target.layers[i]
-    real = rows[-1].b  # the rows after it are padding (models/rows.py)
+    real = spans[-1].b  # the rows after it are row padding (models/padding.py)
 
-    def per_row(fn):
-        if len(rows) == 1:
-            return lambda x: on_real_rows(lambda y: fn(y, rows[0]), x, real)
+    def per_span(fn):
+        if len(spans) == 1:
+            return lambda x: on_real_rows(lambda y: fn(y, spans[0]), x, real)
         return lambda x: on_real_rows(
-            lambda y: mx.concatenate([fn(y[:, r.a : r.b], r) for r in rows], axis=1), x, real
+            lambda y: mx.concatenate([fn(y[:, r.a : r.b], r) for r in spans], axis=1), x, real
         )
 
     kind = mixer(layer)
     if kind == "gated_deltanet":
         gdn = layer.linear_attn
-        return per_row(
+        return per_span(
             lambda x, r: gdn_forward(gdn, x, r.p.cache[i], r.p.start, r.p.parents, r.p.rewindable)
         )
     attn = layer.self_attn
     if kind == "mla":
-        return per_row(
+        return per_span(
             lambda x, r: mla_attention(
                 attn, x, r.p.cache[i], r.p.start, r.positions, r.parents, r.masks
             )
         )
     spec, window = target.family.attention, target.windows[i]
-    if len(rows) == 1:
-        r = rows[0]
+    if len(spans) == 1:
+        r = spans[0]
         return lambda x: attention(
             attn, spec, x, r.p.cache[i], r.p.start, r.positions, r.parents, r.masks, window, real
         )
-    parts = [(r.a, r.b, r.p.cache[i], r.p.start, r.positions, r.parents, r.masks) for r in rows]
+    parts = [(r.a, r.b, r.p.cache[i], r.p.start, r.positions, r.parents, r.masks) for r in spans]
     return lambda x: packed_attention(attn, spec, x, positions, parts, window)
 
 
-def _outputs(target, h: mx.array, rows: list[Row], tapped: dict[int, mx.array]):
+def _outputs(target, h: mx.array, spans: list[Span], tapped: dict[int, mx.array]):
     """Each packed row's logits (all positions, the last, or none; one LM head matmul for all
     rows) and taps (the tapped layers in config order)."""
     picks, sizes = [], []
-    for r in rows:
+    for r in spans:
         if r.p.logits == "all":
             picks.append(h[:, r.a : r.b])
         elif r.p.logits == "last":
@@ -147,9 +147,9 @@ def _outputs(target, h: mx.array, rows: list[Row], tapped: dict[int, mx.array]):
     if picks:
         picked = mx.concatenate(picks, axis=1)
         k = picked.shape[1]
-        logits = target.head(pad_rows(picked, target.rows(k)), "all", real=k)
+        logits = target.head(pad_rows(picked, target.padded_rows(k)), "all", real=k)
     out, at = [], 0
-    for r, n in zip(rows, sizes, strict=True):
+    for r, n in zip(spans, sizes, strict=True):
         row_logits = None if n == 0 or logits is None else logits[at : at + n]
         at += n
         taps = None

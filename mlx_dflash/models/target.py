@@ -39,7 +39,7 @@ from .families import (
 )
 from .forward import forward
 from .gated_deltanet import RecurrentCache
-from .rows import RowPadding
+from .padding import RowPadding
 
 
 class Target:
@@ -62,7 +62,7 @@ class Target:
         self.stage = None  # a pipeline stage (mlx_dflash.distributed.Stage): my layers only
         self.hidden_size = int(self.text_config["hidden_size"])
         self.vocab_size = int(self.text_config["vocab_size"])
-        # The row count each forward's dense layers run at (models/rows.py); load_target
+        # The row count each forward's dense layers run at (models/padding.py); load_target
         # measures it on the CPU backend, None runs every forward at its own size.
         self.padding: RowPadding | None = None
         # On Metal, a quantized target's verify path per layer shape and row count
@@ -73,7 +73,7 @@ class Target:
         self.folder: Path | None = None  # where it was loaded from (load_target)
         self.set_taps(tap_ids)
 
-    def rows(self, n: int) -> int:
+    def padded_rows(self, n: int) -> int:
         """The row count n tokens' dense layers run at."""
         return n if self.padding is None else self.padding(n)
 
@@ -248,7 +248,7 @@ class Target:
     def head(self, h: mx.array, logits: str, real: int | None = None) -> mx.array | None:
         """Final norm and LM head over all positions, the last one, or none; `real`: how many
         of h's rows are tokens (the rest row padding, which the head runs over at its cheaper
-        size, models/rows.py)."""
+        size, models/padding.py)."""
         if logits == "none":
             return None
         n = h.shape[1] if real is None else real

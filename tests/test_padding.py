@@ -1,4 +1,4 @@
-"""Row padding (models/rows.py): a forward's dense layers run at a row count BLAS does faster,
+"""Row padding (models/padding.py): a forward's dense layers run at a row count BLAS does faster,
 and nothing a row computes changes: logits, taps and caches equal an unpadded forward's, in
 every attention family, alone and packed."""
 
@@ -13,7 +13,7 @@ from families import attention_target
 from test_packed import KINDS, PROMPTS, passes, sessions
 
 from mlx_dflash.engine.contract import Pass
-from mlx_dflash.models.rows import MAX_ROWS, RowPadding
+from mlx_dflash.models.padding import MAX_ROWS, RowPadding
 from mlx_dflash.settings import SETTINGS
 
 
