@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 from .settings import SETTINGS
 
 ASSETS = Path(__file__).parent / "assets"
 DEFAULT_TARGET = ASSETS / "stories260K"
 DEFAULT_DRAFTER = ASSETS / "stories260K-dflash"
+T = TypeVar("T")
 
 
 def cache_root() -> Path:
@@ -35,3 +39,26 @@ def profile_key(target) -> str:
     shards = f"-tp{size}" if size > 1 else ""
     numpy = "-np" if cpu_math.enabled() else ""
     return f"{target.model_type}-{h}-{platform.machine()}-{device}{shards}{numpy}"
+
+
+def read_profile(name: str, parse: Callable[[Any], T]) -> T | None:
+    """parse() of a measurement cached per model and machine (profiles/NAME.json in the
+    cache): the verify profile, the row-padding table, the verify kernel's calibration.
+    None where it is absent or damaged: the caller measures again."""
+    try:
+        return parse(json.loads((cache_root() / "profiles" / f"{name}.json").read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write_profile(name: str, data: Any) -> None:
+    """Cache a measurement (JSON) for read_profile, whole or not at all (a temporary file
+    renamed); a read-only cache loses nothing but the time of measuring again."""
+    path = cache_root() / "profiles" / f"{name}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass

@@ -146,3 +146,24 @@ def test_quantized_and_half_precision_targets_are_never_padded(monkeypatch):
     quantized = build()
     nn.quantize(quantized, group_size=32, bits=4)
     assert RowPadding.for_target(Target(quantized, None, cfg)) is None
+
+
+def test_profiles_are_cached_whole_and_a_damaged_one_is_measured_again(tmp_path, monkeypatch):
+    """paths.read_profile / write_profile, the one cache of the verify profile, the padding
+    table and the kernel calibration: a damaged or foreign file reads as absent, and a cache
+    that cannot be written costs nothing but measuring again."""
+    from mlx_dflash.paths import read_profile, write_profile
+
+    monkeypatch.setattr(SETTINGS, "cache", str(tmp_path))
+    write_profile("m-rows", {"table": [0, 1, 2]})
+    assert read_profile("m-rows", lambda d: d["table"]) == [0, 1, 2]
+    assert not list((tmp_path / "profiles").glob("*.tmp"))
+    (tmp_path / "profiles" / "m-rows.json").write_text('{"table": [0, 1')
+    assert read_profile("m-rows", lambda d: d["table"]) is None
+    (tmp_path / "profiles" / "m-rows.json").write_text('{"sizes": []}')
+    assert read_profile("m-rows", lambda d: d["table"]) is None
+    assert read_profile("absent", lambda d: d) is None
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(SETTINGS, "cache", str(tmp_path / "file"))  # not a folder
+    write_profile("m-rows", {"table": [1]})
+    assert read_profile("m-rows", lambda d: d["table"]) is None

@@ -9,13 +9,12 @@ the same questions, so the round has no `if auto` of its own.
 
 from __future__ import annotations
 
-import json
 import time
 
 import mlx.core as mx
 import numpy as np
 
-from ..paths import cache_root, profile_key
+from ..paths import profile_key, read_profile, write_profile
 from .contract import Pass
 from .session import Session
 from .tree import Tree, expected_tokens, graft
@@ -90,28 +89,19 @@ class VerifyProfile:
     def load_or_measure(
         cls, target, key: str, sizes: tuple[int, ...] = SIZES, repeats: int = 3
     ) -> VerifyProfile:
-        path = cache_root() / "profiles" / f"{key}.json"
-        prof = cls._load(path)
+        prof = cls.cached(key)
         # Measuring runs forwards, which all ranks of a sharded target must run together.
         if target.world.all_true(prof is not None):
+            assert prof is not None
             return prof
         prof = cls.measure(target, repeats=repeats, sizes=sizes)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"sizes": list(prof.sizes), "seconds": list(prof.seconds)}))
-        except OSError:
-            pass
+        write_profile(key, {"sizes": list(prof.sizes), "seconds": list(prof.seconds)})
         return prof
 
     @classmethod
-    def _load(cls, path):
-        if path.exists():
-            try:
-                d = json.loads(path.read_text())
-                return cls(d["sizes"], d["seconds"])
-            except (ValueError, KeyError):
-                pass  # a damaged profile is simply measured again
-        return None
+    def cached(cls, key: str) -> VerifyProfile | None:
+        """The profile cached under `key`, None where absent or damaged (measured again)."""
+        return read_profile(key, lambda d: cls(d["sizes"], d["seconds"]))
 
 
 # Whether speculation can pay on this machine at all: a verify of PROBE_TOKENS tokens must
@@ -136,11 +126,12 @@ def verify_steps(target) -> float:
     cached verify profile, else a quick probe (two sizes, cached too)."""
     target = target.unbatched
     name = profile_name(target)
-    prof = VerifyProfile._load(cache_root() / "profiles" / f"{name}.json")
+    prof = VerifyProfile.cached(name)
     if not target.world.all_true(prof is not None):
         prof = VerifyProfile.load_or_measure(
             target, name + "-probe", sizes=(1, PROBE_TOKENS), repeats=2
         )
+    assert prof is not None
     return float(prof.cost(PROBE_TOKENS) / max(float(prof.cost(1)), 1e-9))
 
 

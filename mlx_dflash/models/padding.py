@@ -20,14 +20,13 @@ test suite runs that way, so every exactness test runs padded).
 
 from __future__ import annotations
 
-import json
 import time
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..engine.device import on_cpu
-from ..paths import cache_root, profile_key
+from ..paths import profile_key, read_profile, write_profile
 from ..progress import progress
 from ..settings import SETTINGS
 
@@ -102,17 +101,11 @@ class RowPadding:
             return None
         if setting.isdigit():
             return cls.multiple(int(setting))
-        path = cache_root() / "profiles" / f"{profile_key(target)}-rows.json"
-        try:
-            return cls(json.loads(path.read_text())["table"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # absent or damaged: measured again
-        padding = cls.measure(target)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"table": padding.table}))
-        except OSError:
-            pass  # a read-only cache: measured again next time, nothing lost
+        name = f"{profile_key(target)}-rows"
+        padding = read_profile(name, lambda d: cls(d["table"]))
+        if padding is None:
+            padding = cls.measure(target)
+            write_profile(name, {"table": padding.table})
         return padding
 
 

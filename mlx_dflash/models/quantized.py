@@ -30,7 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..kernels import quantized as qk
-from ..paths import cache_root, profile_key
+from ..paths import profile_key, read_profile, write_profile
 
 ROW_COUNTS = (2, 3, 4, 6, 8, 12, 16, 24, 32)  # timed; a count between two takes the next one up
 REPEATS = 5
@@ -235,17 +235,12 @@ def calibrate(layers: list, device, progress: Callable[[str, int], None] | None 
     return cal
 
 
-def cache_file(target):
-    return cache_root() / "profiles" / f"{profile_key(target)}-qmm.json"
-
-
 def load_or_calibrate(target, device=None) -> Calibration:
     """The target's calibration on this machine: cached, else measured now (a progress bar)."""
-    path = cache_file(target)
-    try:
-        return Calibration.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError):
-        pass
+    name = f"{profile_key(target)}-qmm"
+    cached = read_profile(name, Calibration.from_json)
+    if cached is not None:
+        return cached
     from ..progress import progress
 
     device = device or MetalDevice()
@@ -254,11 +249,7 @@ def load_or_calibrate(target, device=None) -> Calibration:
     with progress() as bar:
         task = bar.add_task("calibrating the verify kernel", total=len(shapes) * len(ROW_COUNTS))
         cal = calibrate(layers, device, lambda s, n: bar.update(task, advance=n))
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(cal.to_json(), indent=1))
-    except OSError:
-        pass
+    write_profile(name, cal.to_json())
     return cal
 
 
