@@ -13,8 +13,9 @@ import mlx.core as mx
 import numpy as np
 
 from .budget import AutoBudget, FixedBudget
-from .contract import Drafter, Pass
+from .contract import Drafter, Pass, Proposal
 from .corpus import corpus_of, lookup_corpus
+from .device import overlaps, read
 from .grammar import Grammar, prune_tree, with_certain_run
 from .lookup import MAX_BRANCHES, LookupStats, PromptLookup
 from .rounds import plain_round, token_logprobs
@@ -81,10 +82,16 @@ class DDTree:
         self.budgets.append(len(tree.tokens) - 1)
         t1 = time.perf_counter()
         logits, taps = self._verify(tree, start)
+        # greedy: the target's choice at every node comes back with the verify's one wait
         t_build += time.perf_counter() - t1
-        mx.eval(logits if taps is None else (logits, taps))
+        verified = [logits] if taps is None else [logits, taps]
+        if self.sampling.greedy:  # the target's choice at every node, read in the same wait
+            (choice,) = read(mx.argmax(logits, axis=-1), also=verified)
+        else:
+            choice = None
+            mx.eval(verified)
         t2 = time.perf_counter()
-        path, out, lps = self._accept(tree, logits, taps, rng, chains)
+        path, out, lps = self._accept(tree, logits, taps, rng, chains, choice)
         t3 = time.perf_counter()
         drafted = n_drafted if self.drafter is not None else 0
         if drafting:
@@ -107,12 +114,12 @@ class DDTree:
             certain_accepted=int(sum(certain[i] for i in path[1:])),
         )
 
-    def _accept(self, tree: Tree, logits, taps, rng, chains: list[list[int]]):
+    def _accept(self, tree: Tree, logits, taps, rng, chains: list[list[int]], choice=None):
         """Walk the verified tree (under a grammar, its masked walk), agreed over the ranks,
         and commit the accepted path: (path, emitted tokens, their logprobs or None)."""
         session = self.session
         masks: list | None = [] if self.logprobs is not None else None
-        path, bonus = walk(tree, logits, self.sampling, rng, self.grammar, masks)
+        path, bonus = walk(tree, logits, self.sampling, rng, self.grammar, masks, choice)
         *path, bonus = session.world.agree_seq([*path, bonus]).tolist()
         session.commit([int(tree.tokens[i]) for i in path], taps, path)
         out = [int(tree.tokens[i]) for i in path[1:]] + [bonus]
@@ -141,19 +148,28 @@ class DDTree:
         (with a drafter loaded) lookup branches still do."""
         t_pass = time.perf_counter()
         t_build, pruned, grammar = 0.0, 0, self.grammar
-        if lookup_only is not None:
-            tree, chains = lookup_only
-        elif drafting and self.drafter is not None:
-            tree, t_build, pruned = self._drafter_tree(self.drafter, last, start, n, tokens_left)
-        else:
-            tree = self._base_tree(last, tokens_left)
-        n_drafted, t_pass = len(tree.tokens), time.perf_counter() - t_pass
         # Lookup branches cost no drafter pass: a pause stops the drafter, not them (their own
         # measured acceptance cuts them). Only in --mode lookup, where they are all the round
         # drafts, does a pause stop them too.
+        looking = self.lookup is not None and (drafting or self.drafter is not None)
+        found: list[list[int]] = []
+        t_lookup = 0.0
+        if lookup_only is not None:
+            tree, chains = lookup_only
+        elif drafting and self.drafter is not None:
+            proposal, t_build = self._propose(self.drafter, last, start, n)
+            if looking:  # on a GPU, while the drafter's pass computes (device.overlaps)
+                t_lookup = time.perf_counter()
+                found = self._lookup_branches(last, tokens_left)
+                t_lookup = time.perf_counter() - t_lookup
+            tree, pruned = self._drafter_tree(proposal, last, tokens_left)
+        else:
+            tree = self._base_tree(last, tokens_left)
+        n_drafted, t_pass = len(tree.tokens), time.perf_counter() - t_pass - t_lookup
         if lookup_only is None:
-            looking = self.lookup is not None and (drafting or self.drafter is not None)
-            chains = self._lookup_chains(tree, last, tokens_left, drafting) if looking else []
+            if looking and not (drafting and self.drafter is not None):
+                found = self._lookup_branches(last, tokens_left)
+            chains = self._cut_lookup(tree, found, drafting) if looking else []
         tree = graft(tree, chains)
         if chains and grammar is not None:
             tree, cut = prune_tree(tree, grammar)
@@ -161,25 +177,27 @@ class DDTree:
         tree, n_drafted = _agree_tree(self.session, tree, n_drafted)
         return tree, n_drafted, chains, t_build, pruned, t_pass
 
-    def _drafter_tree(
-        self, drafter: Drafter, last: int, start: int, n: int, tokens_left: int
-    ) -> tuple[Tree, float, int]:
-        max_b = self.policy.max_budget
-        # A tree of max_b nodes is at most max_b deep: deeper slots' logits would go unused,
-        # and the LM head over them is most of the drafter's time on a CPU.
+    def _propose(self, drafter: Drafter, last: int, start: int, n: int) -> tuple[Proposal, float]:
+        """The drafter's pass (queued on a GPU: device.overlaps) and its graph's build time.
+        A tree of max_budget nodes is at most max_budget deep: deeper slots' logits would go
+        unused, and the LM head over them is most of the drafter's time on a CPU."""
         t0 = time.perf_counter()
-        proposal = drafter.propose(last, start, min(n, max_b))
-        t_build = time.perf_counter() - t0
-        grammar = self.grammar
+        proposal = drafter.propose(last, start, min(n, self.policy.max_budget))
+        if overlaps():
+            mx.async_eval(proposal.logits)
+        return proposal, time.perf_counter() - t0
+
+    def _drafter_tree(self, proposal: Proposal, last: int, tokens_left: int) -> tuple[Tree, int]:
+        """The drafter's best-first tree, cut by the budget policy: (tree, nodes pruned)."""
+        max_b, grammar = self.policy.max_budget, self.grammar
         temp = self.sampling.temperature if not self.sampling.greedy else 1.0
         if grammar is None:
             k = min(self.branching or max_b, max_b)
-            return self.policy.cut(proposal.tree(last, max_b, k, temp)), t_build, 0
+            return self.policy.cut(proposal.tree(last, max_b, k, temp)), 0
         # Under a grammar: only what it allows, and its forced runs as certain nodes.
-        tree, pruned = proposal.constrained_tree(
+        return proposal.constrained_tree(
             last, max_b, self.branching, temp, grammar, tokens_left, self.policy.cut
         )
-        return tree, t_build, pruned
 
     def _base_tree(self, last: int, tokens_left: int) -> Tree:
         """The round's tree before any drafter or lookup node: the root, and after it a
@@ -193,6 +211,15 @@ class DDTree:
         self, tree: Tree, last: int, tokens_left: int, drafting: bool
     ) -> list[list[int]]:
         """This round's lookup branches, as the budget policy cuts them."""
+        return self._cut_lookup(tree, self._lookup_branches(last, tokens_left), drafting)
+
+    def _cut_lookup(self, tree: Tree, chains: list[list[int]], drafting: bool):
+        drafted = drafting and self.drafter is not None
+        return self.policy.cut_lookup(tree, chains, self.chain_stats, drafted)
+
+    def _lookup_branches(self, last: int, tokens_left: int) -> list[list[int]]:
+        """The text's (else the corpus's, else the last token's) branches after `last`; their
+        counts become chain_stats."""
         # The index holds session.tokens + [last] as of its last call (this round's, or the
         # last round's, whose `last` is now in session.tokens): only what follows is new.
         lookup, tokens = self.lookup, self.session.tokens
@@ -206,8 +233,7 @@ class DDTree:
             self.chain_stats = self.corpus_stats
         if not chains and self.policy.prices_lookup:  # (a fixed budget would verify them all)
             chains, self.chain_stats = lookup.echo(length), self.echo_stats
-        drafted = drafting and self.drafter is not None
-        return self.policy.cut_lookup(tree, chains, self.chain_stats, drafted)
+        return chains
 
     def _lookup_only(self, last: int, tokens_left: int) -> tuple[Tree, list[list[int]]] | None:
         """This round without a drafter pass (its base tree and cut lookup branches), where

@@ -28,6 +28,7 @@ import threading
 from collections.abc import Iterator
 
 import mlx.core as mx
+import numpy as np
 
 
 def device_class() -> str:
@@ -49,6 +50,22 @@ def on_metal() -> bool:
 def on_cpu() -> bool:
     """Whether CPU tricks apply (numpy math, BLAS row padding, host-side reductions)."""
     return device_class() == "cpu"
+
+
+def read(*arrays: mx.array, also: tuple | list = ()) -> list[np.ndarray]:
+    """Device arrays on the host after one wait: one mx.eval for all of them (and for `also`,
+    evaluated but left on the device), where a numpy conversion each would wait once each.
+    The engine's host reads go through it or rounds.to_host (tests count them)."""
+    mx.eval(*arrays, *also)
+    return [np.array(a) for a in arrays]
+
+
+def overlaps() -> bool:
+    """Whether a round queues device work (mx.async_eval) and does its host work meanwhile:
+    the drafter's pass while the verify's graph is built (block rounds) or while lookup looks
+    for branches (tree rounds). On a GPU (Metal, CUDA) the device computes while Python runs;
+    on the CPU backend both share the same cores, and overlapping measured slower (issue 28)."""
+    return device_class() in ("metal", "gpu")
 
 
 # Nested `wired` blocks per thread (a batch's rows are greenlets sharing their thread's): only

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .device import on_cpu
+from .device import on_cpu, read
 from .grammar import Grammar, with_certain_run
 from .sampling import SamplingParams
 from .tree import Tree, best_first
@@ -48,24 +48,35 @@ class Lattice:
 
     def off_candidates(self, temperature: float = 1.0, on_host: bool | None = None) -> np.ndarray:
         """(n,) per position, the log of exp(logit / T) summed over the tokens that are not its
-        candidates (-inf where the candidates hold it all). `on_host` (default: without Metal)
-        sums in numpy (on the CPU backend), whose exp is ~13x MLX's on a CPU (tree.top_candidates)."""
+        candidates (-inf where the candidates hold it all). `on_host` (default: on the CPU
+        backend) sums in numpy, whose exp is ~13x MLX's on a CPU (tree.top_candidates)."""
+        on_host = on_cpu() if on_host is None else on_host
+        return self.off_from(read(*self.off_parts(temperature, on_host)), temperature)
+
+    def off_parts(self, temperature: float, on_host: bool) -> list[mx.array]:
+        """What off_candidates reads from the device (a caller reads them with its own arrays,
+        in one wait): the logits to sum on the host, or the device's sums."""
         assert self.logits is not None
-        if on_host is None:
-            on_host = on_cpu()
         if on_host:
-            z = np.array(self.logits.astype(mx.float32)) / np.float32(temperature)
+            return [self.logits.astype(mx.float32), self.cand]
+        z = self.logits.astype(mx.float32) / temperature
+        top = mx.max(z, axis=-1, keepdims=True)
+        ez = mx.exp(z - top)
+        inside = mx.sum(mx.take_along_axis(ez, self.cand, axis=-1), axis=-1)
+        return [top, mx.sum(ez, axis=-1), inside]
+
+    @staticmethod
+    def off_from(parts: list[np.ndarray], temperature: float) -> np.ndarray:
+        """off_candidates from off_parts read on the host."""
+        if len(parts) == 2:  # the logits and the candidates: summed here
+            z = parts[0] / np.float32(temperature)
             top = z.max(axis=-1, keepdims=True)
             e = np.exp(z - top)
             total = e.sum(axis=-1, dtype=np.float64)
-            c = np.array(self.cand).astype(np.int64)
+            c = parts[1].astype(np.int64)
             inside = np.take_along_axis(e, c, axis=-1).sum(axis=-1, dtype=np.float64)
         else:
-            z = self.logits.astype(mx.float32) / temperature
-            top = mx.max(z, axis=-1, keepdims=True)
-            ez = mx.exp(z - top)
-            t, i = mx.sum(ez, axis=-1), mx.sum(mx.take_along_axis(ez, self.cand, axis=-1), axis=-1)
-            top, total, inside = np.array(top), np.array(t, np.float64), np.array(i, np.float64)
+            top, total, inside = parts[0], parts[1].astype(np.float64), parts[2].astype(np.float64)
         with np.errstate(divide="ignore"):
             return np.log(np.maximum(total - inside, 0.0)) + top[:, 0]
 
@@ -150,12 +161,16 @@ def lattice_tree(
     Under a grammar, only what it allows (its forced runs are the caller's: a forced token has
     no candidate index to continue from). Returns (tree, candidates the grammar refused).
     """
-    cand = np.array(lattice.cand)
+    f32 = mx.float32
+    off_parts = [] if lattice.logits is None else lattice.off_parts(temperature, on_cpu())
+    cand, first, pairs, *parts = read(
+        lattice.cand, lattice.first.astype(f32), lattice.pairs.astype(f32), *off_parts
+    )  # one wait for all of them
     n, k = cand.shape
     k = min(k, branching or k)
-    first = np.array(lattice.first.astype(mx.float32), dtype=np.float64) / temperature
-    pairs = np.array(lattice.pairs.astype(mx.float32), dtype=np.float64) / temperature
-    off = lattice.off_candidates(temperature) if lattice.logits is not None else np.full(n, -np.inf)
+    first = first.astype(np.float64) / temperature
+    pairs = pairs.astype(np.float64) / temperature
+    off = lattice.off_from(parts, temperature) if parts else np.full(n, -np.inf)
     first_lp = _log_softmax(first, off[0])
     pairs_lp = _log_softmax(pairs, off[1:, None, None]) if n > 1 else pairs
     first_order = np.argsort(-first_lp, kind="stable")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 import numpy as np
 
-from .device import on_cpu
+from .device import on_cpu, read
 from .sampling import SamplingParams, draw, token_probs
 
 if TYPE_CHECKING:
@@ -136,9 +136,10 @@ def _top_on_device(logits: mx.array, k: int) -> tuple[np.ndarray, np.ndarray]:
         idx = mx.broadcast_to(mx.arange(logits.shape[-1]), logits.shape)
     vals = mx.take_along_axis(logits, idx, axis=-1) - lse
     order = mx.argsort(-vals, axis=-1)
-    return np.array(mx.take_along_axis(idx, order, axis=-1)), np.array(
-        mx.take_along_axis(vals, order, axis=-1), dtype=np.float64
+    tokens, lps = read(
+        mx.take_along_axis(idx, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
     )
+    return tokens, lps.astype(np.float64)
 
 
 Child = Callable[[int, Any, int], tuple[int, float, Any]]
@@ -257,6 +258,7 @@ def walk(
     rng,
     grammar: Grammar | None = None,
     masks: list | None = None,
+    choice: np.ndarray | None = None,
 ) -> tuple[list[int], int]:
     """Follow the target through the tree; return (accepted node path incl. root, bonus token).
 
@@ -266,9 +268,12 @@ def walk(
     choice matters): greedy reads the rows' unmasked argmax in one transfer and a row itself
     only where the mask refuses it; the answer's end is always the bonus token. The grammar is
     left at the emitted tokens. `masks`, when given, receives each visited node's mask.
+    `choice`: greedy, the rows' argmax when the caller read it with the verify.
     """
     kids = tree.children()
-    choice = np.array(mx.argmax(logits, axis=-1)) if sampling.greedy else None
+    chosen = None
+    if sampling.greedy:
+        chosen = read(mx.argmax(logits, axis=-1))[0] if choice is None else choice
     path = [0]
     while True:
         cur = path[-1]
@@ -276,10 +281,10 @@ def walk(
             mask = grammar.mask()
             if masks is not None:
                 masks.append(mask)
-            argmax = None if choice is None else int(choice[cur])
+            argmax = None if chosen is None else int(chosen[cur])
             x = grammar.pick(logits[cur], argmax, sampling, rng, mask)
-        elif choice is not None:
-            x = int(choice[cur])
+        elif chosen is not None:
+            x = int(chosen[cur])
         else:  # transform only the rows the walk visits
             x = draw(token_probs(logits[cur : cur + 1], sampling)[0], rng)
         nxt = kids[cur].get(x)
