@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from .contract import Pass
-from .device import overlaps
+from .device import overlaps, read
 from .sampling import (
     SamplingParams,
     accept_greedy,
@@ -74,13 +74,13 @@ def token_logprobs(logits: mx.array, rows, tokens: list[int], k: int, masks=None
     chosen = mx.take_along_axis(lp, mx.array(tokens, dtype=mx.int32)[:, None], axis=-1)[:, 0]
     top = mx.argsort(-lp, axis=-1)[:, :k] if k else mx.zeros((len(tokens), 0), dtype=mx.int32)
     top_lp = mx.take_along_axis(lp, top, axis=-1)
-    mx.eval(chosen, top, top_lp)
+    chosen_h, top_h, top_lp_h = read(chosen, top, top_lp)
     # (a token a grammar forbids is no alternative: its -inf is dropped)
     alternatives = [
         [(a, b) for a, b in zip(t, v, strict=True) if b != -np.inf]
-        for t, v in zip(np.array(top).tolist(), np.array(top_lp).tolist(), strict=True)
+        for t, v in zip(top_h.tolist(), top_lp_h.tolist(), strict=True)
     ]
-    return list(zip(np.array(chosen).tolist(), alternatives, strict=True))
+    return list(zip(chosen_h.tolist(), alternatives, strict=True))
 
 
 def _pick(logits: mx.array | None, sampling: SamplingParams, rng, grammar=None, mask=None) -> int:

@@ -110,7 +110,7 @@ def top_candidates(
         on_host = on_cpu()
     k = min(k, logits.shape[-1])
     if on_host:
-        return _top_on_host(np.array(logits.astype(mx.float32)), k)
+        return _top_on_host(read(logits.astype(mx.float32))[0], k)
     return _top_on_device(logits.astype(mx.float32), k)
 
 
