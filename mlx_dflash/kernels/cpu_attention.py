@@ -33,13 +33,19 @@ def use_cpu_attention() -> bool:
 
 
 def cpu_attention(
-    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: str | mx.array | None = None
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    scale: float,
+    mask: str | mx.array | None = None,
+    masks: dict | None = None,
 ) -> mx.array:
     """scaled_dot_product_attention(q, k, v, scale, mask) with a base-2 softmax (numpy's exp
     from cpu_math.MIN_VALUES scores on x86).
 
     q (B, Hq, T, D); k, v (B, Hkv, S, D) with Hq a multiple of Hkv; mask None, "causal" (the T
     queries are the last T positions) or a boolean (T, S) array, True where attention is allowed.
+    `masks`: a forward's dict its layers share, where the causal mask is built once.
     """
     b, n_q, t, d = q.shape
     n_kv, s_len = k.shape[1], k.shape[2]
@@ -55,7 +61,7 @@ def cpu_attention(
     if isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"unknown mask {mask!r}")
-        mask = mx.arange(s_len)[None, :] <= (mx.arange(t) + (s_len - t))[:, None] if t > 1 else None
+        mask = causal_mask(t, s_len, masks)
     if on_numpy:
         out = cpu_math.softmax(s.astype(mx.float32), mask, rep) @ v
         return out.reshape(b, n_q, t, v.shape[-1]).astype(q.dtype)
@@ -64,6 +70,20 @@ def cpu_attention(
     p = mx.power(2.0, s - s.max(axis=-1, keepdims=True))
     out = (p @ v) / p.sum(axis=-1, keepdims=True)
     return out.reshape(b, n_q, t, v.shape[-1]).astype(q.dtype)
+
+
+def causal_mask(t: int, s_len: int, masks: dict | None = None) -> mx.array | None:
+    """The boolean (t, s_len) causal mask of t queries at the last t positions (None for one),
+    kept in `masks` (a forward's, shared by its layers) so that it is built once a forward."""
+    if t == 1:
+        return None
+    key = ("causal", t, s_len)
+    if masks is not None and key in masks:
+        return masks[key]
+    mask = mx.arange(s_len)[None, :] <= (mx.arange(t) + (s_len - t))[:, None]
+    if masks is not None:
+        masks[key] = mask
+    return mask
 
 
 def _blocked_causal(qg: mx.array, k: mx.array, v: mx.array, rep: int, t: int) -> mx.array:

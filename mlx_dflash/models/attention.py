@@ -207,7 +207,7 @@ def _attend(attn, q, keys, values, start, positions, parents, masks, window, hel
     if parents is None:
         mask = "causal" if T > 1 else None
         if plain and use_cpu_attention():
-            return cpu_attention(q, keys, values, scale, mask)
+            return cpu_attention(q, keys, values, scale, mask, masks)
         return mx.fast.scaled_dot_product_attention(
             q, keys, values, scale=scale, mask=mask, sinks=sinks
         )
