@@ -144,31 +144,30 @@ class DDTree:
         """(tree, how many of its nodes the drafter made, lookup chains grafted, build time,
         nodes the grammar pruned, seconds in the drafter's pass and tree), agreed over the
         ranks of a sharded target. Not `drafting` (auto's pause, or `lookup_only`: the
-        lookup-only round `_lookup_only` found), the drafter does not run: a grammar's certain run and
-        (with a drafter loaded) lookup branches still do."""
-        t_pass = time.perf_counter()
+        lookup-only round `_lookup_only` found), the drafter does not run: a grammar's certain
+        run and (with a drafter loaded) lookup branches still do."""
+        t0 = time.perf_counter()
         t_build, pruned, grammar = 0.0, 0, self.grammar
+        drafter = self.drafter if lookup_only is None and drafting else None
         # Lookup branches cost no drafter pass: a pause stops the drafter, not them (their own
         # measured acceptance cuts them). Only in --mode lookup, where they are all the round
         # drafts, does a pause stop them too.
-        looking = self.lookup is not None and (drafting or self.drafter is not None)
-        found: list[list[int]] = []
-        t_lookup = 0.0
+        looking = lookup_only is None and self.lookup is not None
+        looking = looking and (drafting or self.drafter is not None)
+        if drafter is not None:  # queued on a GPU (device.overlaps): the branch search meanwhile
+            proposal, t_build = self._propose(drafter, last, start, n)
+        t1 = time.perf_counter()
+        found = self._lookup_branches(last, tokens_left) if looking else []
+        t2 = time.perf_counter()
         if lookup_only is not None:
             tree, chains = lookup_only
-        elif drafting and self.drafter is not None:
-            proposal, t_build = self._propose(self.drafter, last, start, n)
-            if looking:  # on a GPU, while the drafter's pass computes (device.overlaps)
-                t_lookup = time.perf_counter()
-                found = self._lookup_branches(last, tokens_left)
-                t_lookup = time.perf_counter() - t_lookup
+        elif drafter is not None:
             tree, pruned = self._drafter_tree(proposal, last, tokens_left)
         else:
             tree = self._base_tree(last, tokens_left)
-        n_drafted, t_pass = len(tree.tokens), time.perf_counter() - t_pass - t_lookup
+        # the drafter's pass and tree, not the branch search
+        n_drafted, t_pass = len(tree.tokens), (t1 - t0) + (time.perf_counter() - t2)
         if lookup_only is None:
-            if looking and not (drafting and self.drafter is not None):
-                found = self._lookup_branches(last, tokens_left)
             chains = self._cut_lookup(tree, found, drafting) if looking else []
         tree = graft(tree, chains)
         if chains and grammar is not None:
