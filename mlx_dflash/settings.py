@@ -54,7 +54,7 @@ class Settings:
         sentence naming the variable."""
         from .errors import DFlashError
 
-        value = (self.value(name) or default).lower()
+        value = (self.value(name).strip() or default).lower()
         if value not in allowed:
             var = VARIABLES[name][0]
             raise DFlashError(f"{var} must be one of {', '.join(allowed)}, not {value!r}.")

@@ -206,13 +206,16 @@ def measure(case: Path, max_tokens: int = 64, reps: int = 5, modes=("dflash", "d
     base_med, base_mean = np.median(times["mlx-lm"]), np.mean(times["mlx-lm"])
     n = len(times["mlx-lm"])
     print(f"{n} generations of {max_tokens} tokens each, interleaved; outputs identical")
-    print(f"mlx-lm: median {1000 * base_med:.1f} ms, mean {1000 * base_mean:.1f} ms")
+    spread = {m: np.median(times[m]) / np.min(times[m]) for m in methods}
+    print(f"mlx-lm: median {1000 * base_med:.1f} ms, mean {1000 * base_mean:.1f} ms, "
+          f"median / min {spread['mlx-lm']:.2f}")  # fmt: skip
     for m in methods[1:]:
         med, mean = np.median(times[m]), np.mean(times[m])
         tau = f", tau {np.mean(taus[m]):.2f}" if m in taus else ""
         print(
             f"{m}: median {1000 * med:.1f} ms = {med / base_med:.3f} of mlx-lm's, "
-            f"mean {1000 * mean:.1f} ms = {mean / base_mean:.3f}{tau}"
+            f"mean {1000 * mean:.1f} ms = {mean / base_mean:.3f}, median / min "
+            f"{spread[m]:.2f}{tau}"
         )
 
 
