@@ -86,12 +86,6 @@ def set_setting(patch: pytest.MonkeyPatch, **values: str) -> None:
         patch.setenv(VARIABLES[name][0], value)
 
 
-@pytest.fixture
-def setting(monkeypatch) -> Callable[..., None]:
-    """`setting(row_padding="0")`: SETTINGS changed for this test (see set_setting)."""
-    return lambda **values: set_setting(monkeypatch, **values)
-
-
 @pytest.fixture(scope="session", autouse=True)
 def session_environment(tmp_path_factory):
     """Before any fixture loads a model (module-scoped ones included): caches (verify
