@@ -252,15 +252,15 @@ def test_rounds_index_exactly_the_text_so_far(target, monkeypatch):
     from mlx_dflash.engine.ddtree import DDTree
 
     checked = []
-    real = DDTree._lookup_chains
+    real = DDTree._lookup_branches  # the one place a round extends the index
 
-    def checking(self, tree, last, tokens_left, drafting):
-        chains = real(self, tree, last, tokens_left, drafting)
+    def checking(self, last, tokens_left):
+        chains = real(self, last, tokens_left)
         assert self.lookup.tokens == [*self.session.tokens, last]
         checked.append(1)
         return chains
 
-    monkeypatch.setattr(DDTree, "_lookup_chains", checking)
+    monkeypatch.setattr(DDTree, "_lookup_branches", checking)
     target.set_taps([1, 3])
     ref = mlx_lm_greedy(target, PROMPT, N)
     oracle = OracleDrafter(PROMPT + ref, target.vocab_size, block_size=8, corrupt=0.3, seed=4)

@@ -206,13 +206,8 @@ class DDTree:
             tree = with_certain_run(tree, self.grammar, min(tokens_left, self.policy.max_budget))
         return tree
 
-    def _lookup_chains(
-        self, tree: Tree, last: int, tokens_left: int, drafting: bool
-    ) -> list[list[int]]:
-        """This round's lookup branches, as the budget policy cuts them."""
-        return self._cut_lookup(tree, self._lookup_branches(last, tokens_left), drafting)
-
-    def _cut_lookup(self, tree: Tree, chains: list[list[int]], drafting: bool):
+    def _cut_lookup(self, tree: Tree, chains: list[list[int]], drafting: bool) -> list[list[int]]:
+        """The lookup branches `tree` takes, as the budget policy cuts them."""
         drafted = drafting and self.drafter is not None
         return self.policy.cut_lookup(tree, chains, self.chain_stats, drafted)
 
@@ -240,7 +235,7 @@ class DDTree:
         if self.drafter is None or self.lookup is None:
             return None
         base = self._base_tree(last, tokens_left)
-        chains = self._lookup_chains(base, last, tokens_left, drafting=False)
+        chains = self._cut_lookup(base, self._lookup_branches(last, tokens_left), drafting=False)
         if chains and self.policy.lookup_suffices(base, chains, self.chain_stats):
             return base, chains
         return None
