@@ -16,6 +16,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .errors import DFlashError
+
 # field -> (variable, what it switches)
 VARIABLES = {
     "attention": ("DFLASH_ATTENTION", "tree attention: auto | metal | reference (Metal)"),
@@ -52,8 +54,6 @@ class Settings:
     def choice(self, name: str, allowed: tuple[str, ...], default: str = "auto") -> str:
         """Field `name` lower-cased (unset: `default`) if it is one of `allowed`, else one
         sentence naming the variable."""
-        from .errors import DFlashError
-
         value = (self.value(name).strip() or default).lower()
         if value not in allowed:
             var = VARIABLES[name][0]

@@ -207,13 +207,14 @@ def test_quantized_target_exact(tmp_path, model_type):
 def test_dflash_round_syncs_with_the_host_once(target, monkeypatch, temperature):
     """Drafts stay on the device: a round reads drafts and the target's choices (greedy), or
     drafts, accepted count and next token (sampled), back in one transfer, with no other eval
-    (issue 19: host syncs are the overhead of small models). The engine's own syncs: a CPU
+    (issue 19: host syncs are the overhead of small models); the drafts are queued once
+    (mx.async_eval, no wait) before the verify's graph is built. The engine's own syncs: a CPU
     forward's numpy exponentials sync inside it by design (kernels/cpu_math.py), so off."""
     from mlx_dflash.engine import SamplingParams, rounds
 
     monkeypatch.setattr(SETTINGS, "numpy_math", "0")
-    calls = {"to_host": 0, "eval": 0}
-    real_to_host, real_eval = rounds.to_host, mx.eval
+    calls = {"to_host": 0, "eval": 0, "queued": 0}
+    real_to_host, real_eval, real_async = rounds.to_host, mx.eval, mx.async_eval
 
     def counting_to_host(x):
         calls["to_host"] += 1
@@ -233,13 +234,17 @@ def test_dflash_round_syncs_with_the_host_once(target, monkeypatch, temperature)
     gen = generate_rounds(session, PROMPT, cfg)
     out += next(gen).tokens  # prefill evaluates the prompt's caches: not a round
     monkeypatch.setattr(mx, "eval", counting_eval)
-    monkeypatch.setattr(mx, "async_eval", counting_eval)
+    monkeypatch.setattr(
+        mx,
+        "async_eval",
+        lambda *a: (calls.__setitem__("queued", calls["queued"] + 1), real_async(*a)),
+    )
     for r in gen:
         out += r.tokens
         draft_rounds += r.drafted > 0
     assert out == ref or temperature > 0
     assert draft_rounds > 5 and len(out) == 40
-    assert calls == {"to_host": draft_rounds, "eval": 0}
+    assert calls == {"to_host": draft_rounds, "eval": 0, "queued": draft_rounds}
 
 
 def test_plain_decoding_keeps_a_step_in_flight(target, monkeypatch):

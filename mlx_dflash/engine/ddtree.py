@@ -15,7 +15,7 @@ import numpy as np
 from .budget import AutoBudget, FixedBudget
 from .contract import Drafter, Pass, Proposal
 from .corpus import corpus_of, lookup_corpus
-from .device import overlaps, read
+from .device import read
 from .grammar import Grammar, prune_tree, with_certain_run
 from .lookup import MAX_BRANCHES, LookupStats, PromptLookup
 from .rounds import plain_round, token_logprobs
@@ -154,7 +154,7 @@ class DDTree:
         # drafts, does a pause stop them too.
         looking = lookup_only is None and self.lookup is not None
         looking = looking and (drafting or self.drafter is not None)
-        if drafter is not None:  # queued on a GPU (device.overlaps): the branch search meanwhile
+        if drafter is not None:  # queued: the branch search runs while the drafter computes
             proposal, t_build = self._propose(drafter, last, start, n)
         t1 = time.perf_counter()
         found = self._lookup_branches(last, tokens_left) if looking else []
@@ -177,13 +177,12 @@ class DDTree:
         return tree, n_drafted, chains, t_build, pruned, t_pass
 
     def _propose(self, drafter: Drafter, last: int, start: int, n: int) -> tuple[Proposal, float]:
-        """The drafter's pass (queued on a GPU: device.overlaps) and its graph's build time.
+        """The drafter's pass, queued (mx.async_eval), and its graph's build time.
         A tree of max_budget nodes is at most max_budget deep: deeper slots' logits would go
         unused, and the LM head over them is most of the drafter's time on a CPU."""
         t0 = time.perf_counter()
         proposal = drafter.propose(last, start, min(n, self.policy.max_budget))
-        if overlaps():
-            mx.async_eval(proposal.logits)
+        mx.async_eval(proposal.logits)
         return proposal, time.perf_counter() - t0
 
     def _drafter_tree(self, proposal: Proposal, last: int, tokens_left: int) -> tuple[Tree, int]:

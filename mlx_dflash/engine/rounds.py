@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from .contract import Pass
-from .device import overlaps, read
+from .device import read
 from .sampling import (
     SamplingParams,
     accept_greedy,
@@ -108,8 +108,8 @@ def block_round(
     start = len(session.tokens)
     t0 = time.perf_counter()
     drafts, q, key_accept = _draft_block(session.drafter, last, start, n, sampling, rng)
-    if overlaps():  # the drafter computes while the verify's graph is built
-        mx.async_eval(drafts if q is None else (drafts, q))
+    # Queued: the drafter computes while the verify's graph is built (engine/device.py).
+    mx.async_eval(drafts if q is None else (drafts, q))
     t_build = time.perf_counter() - t0
     if profile:
         mx.eval(drafts)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..engine.device import on_cpu
 from . import cpu_math
 
 LOG2E = 1.4426950408889634
@@ -27,8 +28,6 @@ BLOCKED_MIN_QUERIES = 64
 
 def use_cpu_attention() -> bool:
     """A CPU trick (engine/device.py): on the CPU backend only."""
-    from ..engine.device import on_cpu
-
     return on_cpu()
 
 

@@ -24,6 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..engine.device import on_cpu
 from ..settings import SETTINGS
 
 ENV_VAR = "DFLASH_MLX_NUMPY_MATH"
@@ -31,7 +32,8 @@ ENV_VAR = "DFLASH_MLX_NUMPY_MATH"
 # layer in MLX and 280 through numpy at 4 queries (10.8K scores), 517 and 414 at 8 (21.6K);
 # below ~16K values the sync and the copies cost more than MLX's scalar exp saves.
 MIN_VALUES = 16384
-_ARM = ("arm64", "aarch64")
+# MLX's vectorised exponentials are ARM's (module doc): on x86 its CPU exp is scalar.
+X86 = platform.machine().lower() not in ("arm64", "aarch64")
 
 
 def setting() -> str:
@@ -42,11 +44,9 @@ def setting() -> str:
 def enabled(value: str | None = None) -> bool:
     """Whether this process computes large exponentials through numpy (see the module doc)."""
     value = setting() if value is None else value
-    from ..engine.device import on_cpu
-
     if value == "0" or not on_cpu():  # a CPU trick (engine/device.py)
         return False
-    return value == "1" or platform.machine().lower() not in _ARM
+    return value == "1" or X86
 
 
 def applies(values: int, dtype: mx.Dtype) -> bool:

@@ -28,6 +28,7 @@ from ..engine.marginals import Marginals
 from ..errors import DFlashError
 from ..kernels import cpu_math
 from ..kernels.cpu_attention import cpu_attention, use_cpu_attention
+from .attention import module_attr
 from .cache import ContextCache
 from .dflash2 import CandidateSelector, GroupedDynamicConv
 from .drafter_config import DrafterConfig
@@ -83,7 +84,7 @@ class DrafterAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).reshape(1, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=start)
         keys, values = cache.extend(*self.project_kv(x, start))
-        sinks = getattr(self, "attention_sink_bias", None)
+        sinks = module_attr(self, "attention_sink_bias")
         if sinks is None and keys.shape[-1] == values.shape[-1] and use_cpu_attention():
             out = cpu_attention(q, keys, values, self.scale, mask)  # as the target's: exp is slow
         else:
@@ -366,7 +367,7 @@ def _packed_attention(drafter, i: int, attn, x, *, caches, starts, positions) ->
     v = attn.v_proj(x).reshape(1, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
     if attn.value_scale is not None:
         v = v * attn.value_scale
-    sinks = getattr(attn, "attention_sink_bias", None)
+    sinks = module_attr(attn, "attention_sink_bias")
     outs = []
     for r, (cache, start) in enumerate(zip(caches, starts, strict=True)):
         a, b = r * bs, (r + 1) * bs

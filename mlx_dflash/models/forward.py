@@ -25,7 +25,6 @@ from ..engine.contract import Pass
 from ..errors import DFlashError
 from ..kernels.tree_attention import tree_depths
 from .attention import attention, packed_attention
-from .families import mixer
 from .gated_deltanet import gdn_forward
 from .mla import mla_attention
 from .padding import on_real_rows, pad_rows
@@ -110,7 +109,7 @@ def _mixer(target, i: int, spans: list[Span], positions: mx.array | None):
             lambda y: mx.concatenate([fn(y[:, r.a : r.b], r) for r in spans], axis=1), x, real
         )
 
-    kind = mixer(layer)
+    kind = target.mixers[i]
     if kind == "gated_deltanet":
         gdn = layer.linear_attn
         return per_span(

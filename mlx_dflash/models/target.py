@@ -56,6 +56,9 @@ class Target:
         self.inner = language_model(model).model
         self.layers = self.inner.layers
         self.num_layers = len(self.layers)
+        # Each layer's token mixer ("attention", "gated_deltanet", "mla"), read once here
+        # rather than in every forward.
+        self.mixers = [mixer(layer) for layer in self.layers]
         # Sliding-window layers see the newest `window` positions only (None: every position).
         self.windows = layer_windows(self.inner, self.text_config, self.family)
         self.world: World | LocalWorld = LOCAL  # a World once distributed.split shards it
@@ -116,7 +119,7 @@ class Target:
         if kv is not None and max_kv_size is not None:
             raise DFlashError("--kv-bits and --max-kv-size do not go together (mlx-lm cannot "
                               "quantize its rotating cache either).")  # fmt: skip
-        if max_kv_size is not None and any(mixer(lay) == "gated_deltanet" for lay in self.layers):
+        if max_kv_size is not None and "gated_deltanet" in self.mixers:
             raise DFlashError("--max-kv-size applies to targets of attention layers alone, "
                               "not to this one's linear-attention layers.")  # fmt: skip
         caches = [self.layer_cache(i, kv, max_kv_size) for i in range(self.num_layers)]
@@ -138,8 +141,8 @@ class Target:
             return None
         standard = [
             i
-            for i, layer in enumerate(self.layers)
-            if mixer(layer) == "attention" and self.windows[i] is None
+            for i, kind in enumerate(self.mixers)
+            if kind == "attention" and self.windows[i] is None
         ]
         return KVArena(standard)
 
@@ -147,7 +150,7 @@ class Target:
         """Layer i's cache: recurrent state, a window's K/V, or all K/V (quantized with `kv`,
         at most `max_kv_size` positions with it)."""
         layer = self.layers[i]
-        if mixer(layer) == "gated_deltanet":
+        if self.mixers[i] == "gated_deltanet":
             return RecurrentCache()
         window = self.windows[i]
         if kv is None and max_kv_size is None:
@@ -156,7 +159,7 @@ class Target:
         why = None
         if window is not None:
             why = "sliding-window layers (mlx-lm cannot quantize its rotating cache either)"
-        elif mixer(layer) == "mla":
+        elif self.mixers[i] == "mla":
             why = "multi-head latent attention, whose cache holds a latent, not keys and values"
         elif any(getattr(layer.self_attn, a, None) is not None
                  for a in ("sinks", "attention_sink_bias")):  # fmt: skip

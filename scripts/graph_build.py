@@ -1,0 +1,81 @@
+"""Milliseconds of Python to build one verify's MLX graph (issue 50): our target's forward
+against mlx-lm's own model call on the same weights, interleaved, graphs evaluated outside
+the timing. On a Mac a verify's graph is built while the drafter computes, so this is host
+time every round pays.
+
+    python scripts/graph_build.py [TARGET_FOLDER] [--tokens 16] [--fused-attention]
+
+TARGET_FOLDER defaults to the planted case's target (scripts/overhead_case.py build). The CPU
+tricks (numpy exponentials, row padding) are off, as on a Mac; --fused-attention also takes
+MLX's fused attention instead of the CPU attention path (kernels/cpu_attention.py), as a Mac
+does.
+"""
+
+# isort: skip_file
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("DFLASH_MLX_NUMPY_MATH", "0")
+os.environ.setdefault("DFLASH_MLX_ROW_PADDING", "0")
+
+import mlx_dflash  # noqa: F401  (loads OpenBLAS before mlx on Linux)
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_dflash.engine.contract import Pass
+from mlx_dflash.models import attention, drafter
+from mlx_dflash.models.target import load_target
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("target", nargs="?", default="models/overhead-case/target")
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--context", type=int, default=100)
+    ap.add_argument("--reps", type=int, default=300)
+    ap.add_argument("--fused-attention", action="store_true")
+    args = ap.parse_args()
+    if args.fused_attention:
+        attention.use_cpu_attention = drafter.use_cpu_attention = lambda: False
+    target = load_target(args.target)
+    ours_cache, ref_cache = target.make_cache(), make_prompt_cache(target.model)
+    ctx = args.context
+    prompt = mx.array(np.arange(ctx) % (target.vocab_size - 3) + 3, dtype=mx.int32)
+    logits, _ = target.forward([Pass(prompt, ours_cache, 0, taps=True)])[0]
+    mx.eval(logits, [c.state_arrays for c in ours_cache])
+    mx.eval(target.model(prompt[None], cache=ref_cache), [c.state for c in ref_cache])
+    tokens = mx.array(np.arange(args.tokens) % (target.vocab_size - 5) + 5, dtype=mx.int32)
+
+    def ours():
+        out = target.forward([Pass(tokens, ours_cache, ctx, taps=True)])[0]
+        return out, lambda: [c.trim(ctx) for c in ours_cache]
+
+    def mlx_lm():
+        return target.model(tokens[None], cache=ref_cache), lambda: [
+            c.trim(args.tokens) for c in ref_cache
+        ]
+
+    times: dict[str, list[float]] = {"dflash-mlx": [], "mlx-lm": []}
+    for _ in range(args.reps):
+        for name, build in (("dflash-mlx", ours), ("mlx-lm", mlx_lm)):
+            t0 = time.perf_counter()
+            out, rewind = build()
+            times[name].append(time.perf_counter() - t0)
+            mx.eval(out)
+            rewind()
+    warm = args.reps // 6
+    med = {k: float(np.median(v[warm:])) for k, v in times.items()}
+    attn = "MLX's fused attention" if args.fused_attention else "this backend's attention path"
+    print(f"{args.tokens}-token verify graph, {target.num_layers} layers, {attn}:")
+    for k, v in times.items():
+        print(f"  {k}: median {1e3 * med[k]:.3f} ms, min {1e3 * min(v):.3f} ms")
+    print(f"  dflash-mlx / mlx-lm: {med['dflash-mlx'] / med['mlx-lm']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
