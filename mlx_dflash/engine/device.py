@@ -13,7 +13,7 @@ Overlap is not a per-class choice: every device queues the drafter's pass (`mx.a
 and does its host work meanwhile (the verify's graph in a block round, the lookup branch
 search in a tree round), as mlx-lm's and z-lab's loops do. On a GPU the device computes while
 Python runs; on the CPU backend MLX's evaluation thread takes the other core, and measured
-paired on this bench (docs/host-time.md) it was 1-3% faster, never slower.
+paired on this bench (docs/host-time.md) it was 1-4% faster, never slower.
 
 Metal hygiene, as mlx-lm does it: generation runs with the weights wired and on a stream of
 its own. Both are Apple-GPU matters; on any other device both are no-ops.

@@ -19,7 +19,7 @@ import mlx.nn as nn
 from ..checkpoints.read import is_drafter_config, text_config
 from ..errors import DFlashError
 from ..kernels import cpu_math
-from .attention import AttentionSpec, module_attr
+from .attention import AttentionSpec
 from .gemma4 import gemma4_block, gemma4_project
 from .minimax import minimax_project
 from .mla import is_mla
@@ -28,7 +28,7 @@ from .mla import is_mla
 def mixer(layer) -> str:
     """A decoder layer's token mixer: "gated_deltanet" (Qwen3.5's linear layers), "mla"
     (multi-head latent attention: DeepSeek V3, Kimi) or "attention"."""
-    if module_attr(layer, "is_linear", False):
+    if getattr(layer, "is_linear", False):
         return "gated_deltanet"
     return "mla" if is_mla(layer.self_attn) else "attention"
 
