@@ -6,7 +6,7 @@ time every round pays.
     python scripts/graph_build.py [TARGET_FOLDER] [--tokens 16] [--fused-attention]
 
 TARGET_FOLDER defaults to the planted case's target (scripts/overhead_case.py build). The CPU
-tricks (numpy exponentials, row padding) are off, as on a Mac; --fused-attention also takes
+tricks (numpy exponentials, row padding, queueing layer by layer) are off, as on a Mac; --fused-attention also takes
 MLX's fused attention instead of the CPU attention path (kernels/cpu_attention.py), as a Mac
 does.
 """
@@ -27,6 +27,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_dflash.engine import device
 from mlx_dflash.engine.contract import Pass
 from mlx_dflash.models import attention, drafter
 from mlx_dflash.models.target import load_target
@@ -40,6 +41,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--fused-attention", action="store_true")
     args = ap.parse_args()
+    device.queues_layers = lambda: False  # no evaluation inside the timed build
     if args.fused_attention:
         attention.use_cpu_attention = drafter.use_cpu_attention = lambda: False
     target = load_target(args.target)

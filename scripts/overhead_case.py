@@ -158,11 +158,18 @@ def zlab_loop(case: Path):
     return run
 
 
-def measure(case: Path, max_tokens: int = 64, reps: int = 5, modes=("dflash", "ddtree")) -> None:
+# Our methods as a user asks for them: `--mode dflash` (the block round), `--mode ddtree`
+# (auto budget) and no flags at all (the default: auto tree, lookup, the drafter's corpus).
+MODES = {"dflash": {"mode": "dflash"}, "ddtree": {"mode": "ddtree"}, "default": {}}
+
+
+def measure(case: Path, max_tokens: int = 64, reps: int = 5, modes=tuple(MODES)) -> None:
     """Plain mlx-lm, our engine and z-lab's loop (when installed), interleaved prompt by prompt
-    in one process: the time of each generation (prefill + decoding of `max_tokens`), its
-    median and mean against mlx-lm's, and tau. (z-lab's loop detokenizes as it goes, which
-    mlx-lm's generate_step and our rounds do not: a few microseconds a round.)"""
+    in one process (the order rotating each prompt): the time of each generation (prefill +
+    decoding of `max_tokens`), its median and mean against mlx-lm's, median / min, and tau;
+    against z-lab's loop, the median over prompts of each prompt's best time over z-lab's best
+    (what a quiet machine shows: this VM's speed drifts by phases). (z-lab's loop detokenizes
+    as it goes, which mlx-lm's generate_step and our rounds do not: a few microseconds a round.)"""
     import time
 
     from mlx_dflash import GenerationConfig, Session, generate_rounds, load_pair
@@ -170,7 +177,7 @@ def measure(case: Path, max_tokens: int = 64, reps: int = 5, modes=("dflash", "d
 
     target, drafter = load_pair(str(case / "target"), str(case / "drafter"))
     prompts = [json.loads(line)["token_ids"] for line in (case / "prompts.jsonl").open()]
-    cfg = {m: GenerationConfig(max_tokens=max_tokens, mode=m, budget="auto") for m in modes}
+    cfg = {m: GenerationConfig(max_tokens=max_tokens, **MODES[m]) for m in modes}
     zlab = zlab_loop(case)
     methods = ["mlx-lm", *modes] + (["z-lab"] if zlab else [])
     times: dict[str, list[float]] = {m: [] for m in methods}
@@ -195,10 +202,12 @@ def measure(case: Path, max_tokens: int = 64, reps: int = 5, modes=("dflash", "d
             run(m, prompts[0])
     for m in modes:
         taus[m].clear()
+    order = list(methods)
     for _ in range(reps):
         for ids in prompts:
             ref = None
-            for m in methods:
+            order = order[1:] + order[:1]
+            for m in order:
                 out, dt = run(m, ids)
                 ref = out if ref is None else ref
                 assert out == ref, f"{m} differs from mlx-lm"
@@ -217,6 +226,18 @@ def measure(case: Path, max_tokens: int = 64, reps: int = 5, modes=("dflash", "d
             f"mean {1000 * mean:.1f} ms = {mean / base_mean:.3f}, median / min "
             f"{spread[m]:.2f}{tau}"
         )
+    # Per prompt, median / min over its repeats: the timing's own spread, which the figure above
+    # mixes with the prompts' differences (their lengths, and tau).
+    per = {m: np.array(times[m]).reshape(reps, -1) for m in methods}
+    print("per prompt, median / min: " + ", ".join(
+        f"{m} {np.median(np.median(per[m], axis=0) / per[m].min(axis=0)):.2f}" for m in methods
+    ))  # fmt: skip
+    if zlab:
+        best = {m: per[m].min(axis=0) for m in methods}
+        for m in modes:
+            r = best[m] / best["z-lab"]
+            print(f"{m} / z-lab, each prompt's best: median {np.median(r):.3f} "
+                  f"({np.min(r):.3f}-{np.max(r):.3f})")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -208,8 +208,10 @@ def test_dflash_round_syncs_with_the_host_once(target, monkeypatch, temperature)
     """Drafts stay on the device: a round reads drafts and the target's choices (greedy), or
     drafts, accepted count and next token (sampled), back in one transfer, with no other eval
     (issue 19: host syncs are the overhead of small models); the drafts are queued once
-    (mx.async_eval, no wait) before the verify's graph is built. The engine's own syncs: a CPU
-    forward's numpy exponentials sync inside it by design (kernels/cpu_math.py), so off."""
+    (mx.async_eval, no wait) before the verify's graph is built, and on this CPU each layer of
+    the drafter's pass and of the verify is queued as it is built (engine/device.py
+    queues_layers). The engine's own syncs: a CPU forward's numpy exponentials sync inside it
+    by design (kernels/cpu_math.py), so off."""
     from mlx_dflash.engine import SamplingParams, rounds
 
     monkeypatch.setattr(SETTINGS, "numpy_math", "0")
@@ -226,7 +228,8 @@ def test_dflash_round_syncs_with_the_host_once(target, monkeypatch, temperature)
 
     monkeypatch.setattr(rounds, "to_host", counting_to_host)
     ref = mlx_lm_greedy(target, PROMPT, 40)
-    session = Session(target, random_drafter(target))
+    drafter = random_drafter(target)
+    session = Session(target, drafter)
     out, draft_rounds = [], 0
     cfg = GenerationConfig(
         max_tokens=40, sampling=SamplingParams(temperature), seed=1, mode="dflash"
@@ -244,7 +247,8 @@ def test_dflash_round_syncs_with_the_host_once(target, monkeypatch, temperature)
         draft_rounds += r.drafted > 0
     assert out == ref or temperature > 0
     assert draft_rounds > 5 and len(out) == 40
-    assert calls == {"to_host": draft_rounds, "eval": 0, "queued": draft_rounds}
+    per_round = 1 + len(drafter.drafter.layers) + target.num_layers  # the drafts, then layers
+    assert calls == {"to_host": draft_rounds, "eval": 0, "queued": draft_rounds * per_round}
 
 
 def test_plain_decoding_keeps_a_step_in_flight(target, monkeypatch):

@@ -152,8 +152,9 @@ def test_batched_rows_wait_once_a_row_round(target, truth, waits, monkeypatch):
 def test_the_drafter_computes_while_the_host_works(mode, target, truth, monkeypatch):
     """Every drafting round queues its drafter's pass (mx.async_eval) before its host work: a
     block round before building the verify, a tree round before looking for lookup branches,
-    on every device class (engine/device.py: measured never slower on the CPU either).
-    Output is the same as without the queueing."""
+    on every device class (engine/device.py: measured never slower on the CPU either). On the
+    CPU alone the verify also queues each layer as it is built (queues_layers): a block round
+    queues 1 + layers times, on a GPU once. Output is the same as without the queueing."""
     queued: list[int] = []
     real = mx.async_eval
     settings = {"mode": mode, "budget": 16, "lookup": 6} if mode == "ddtree" else {"mode": mode}
@@ -175,4 +176,7 @@ def test_the_drafter_computes_while_the_host_works(mode, target, truth, monkeypa
             drafted += r.drafted > 0
         outs.append(out)
         assert device is None or len(queued) >= drafted > 3, device
+        if mode == "dflash" and device:  # (the oracle drafter has no layers of its own)
+            per_round = 1 + (target.num_layers if device == "cpu" else 0)
+            assert len(queued) == drafted * per_round, device
     assert outs == [truth] * 4

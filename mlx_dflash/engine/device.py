@@ -6,14 +6,19 @@
 - "gpu": another GPU through MLX's CUDA backend. Neither Metal kernels nor CPU tricks: stock MLX.
 - "cpu": MLX's CPU backend (this project's Linux bench). CPU tricks only: numpy exponentials
   (kernels/cpu_math.py), the BLAS row padding (models/padding.py), host-side top-k and lattice
-  sums (engine/tree.py, engine/lattice.py), the CPU attention path (kernels/cpu_attention.py).
+  sums (engine/tree.py, engine/lattice.py), the CPU attention path (kernels/cpu_attention.py),
+  a verify queued layer by layer (`queues_layers`).
 A CPU trick asks `device_class() == "cpu"`, never "not Metal", so it never runs on a GPU.
 
-Overlap is not a per-class choice: every device queues the drafter's pass (`mx.async_eval`)
-and does its host work meanwhile (the verify's graph in a block round, the lookup branch
+Queueing a pass whole is not a per-class choice: every device queues the drafter's pass
+(`mx.async_eval`) and does its host work meanwhile (the verify's graph in a block round, the lookup branch
 search in a tree round), as mlx-lm's and z-lab's loops do. On a GPU the device computes while
 Python runs; on the CPU backend MLX's evaluation thread takes the other core, and measured
 paired on this bench (docs/host-time.md) it was 1-4% faster, never slower.
+
+Queueing by layer is (`queues_layers`): on the CPU backend a verify forward and the drafter's
+pass queue each layer as its graph is built, so that MLX's evaluation thread computes a layer
+while Python builds the next.
 
 Metal hygiene, as mlx-lm does it: generation runs with the weights wired and on a stream of
 its own. Both are Apple-GPU matters; on any other device both are no-ops.
@@ -56,6 +61,24 @@ def on_metal() -> bool:
 def on_cpu() -> bool:
     """Whether CPU tricks apply (numpy math, BLAS row padding, host-side reductions)."""
     return device_class() == "cpu"
+
+
+def queues_layers() -> bool:
+    """Whether a verify forward and the drafter's pass queue each layer (mx.async_eval) as its
+    graph is built: on the CPU backend only.
+
+    MLX's CPU backend counts a task per 10 dispatched operations and makes the host wait while
+    more than 10 tasks are in flight (mlx/backend/cpu/encoder.h, transforms.cpp
+    MAX_ACTIVE_TASKS), and a pass queued whole starts computing only once its graph is built.
+    Queued layer by layer, the evaluation thread starts on the first layer while Python builds
+    the rest. Measured paired on this bench (docs/host-time.md), a generation's time with it
+    over without: a DFlash block round 0.88-0.93 on the planted case (host-bound); the default
+    configuration and DDTree 64 unchanged (their CPU forwards sync inside for numpy's
+    exponentials); a random Qwen3 of hidden 1024 x 12 layers (compute-bound) unchanged, except
+    plain steps, 2% slower, so plain steps and prefill chunks (not rewindable) are queued whole
+    as before. Not on GPUs: each queueing commits a command buffer there, a verify's graph is
+    already built while the GPU computes the drafter's pass, and nothing has measured it."""
+    return on_cpu()
 
 
 def read(*arrays: mx.array, also: tuple | list = ()) -> list[np.ndarray]:

@@ -22,6 +22,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.rope_utils import initialize_rope
 
+from ..engine import device
 from ..engine.contract import DraftAsk, Proposal
 from ..engine.lattice import LatticeDrafts
 from ..engine.marginals import Marginals
@@ -217,6 +218,7 @@ class DFlashDrafter(nn.Module):
         projections, MLPs and convolutions run once for all of them."""
         h, R = embeds[None], len(starts)
         bs = h.shape[1] // R
+        queue = device.queues_layers()  # each layer queued as it is built (engine/device.py)
         positions = None
         if R > 1:
             positions = mx.array(np.concatenate([s + np.arange(bs) for s in starts]), mx.int32)
@@ -230,6 +232,8 @@ class DFlashDrafter(nn.Module):
                                  caches=[c[i] for c in caches], starts=starts,
                                  positions=positions)  # fmt: skip
             h = layer(h, attend, R)
+            if queue:
+                mx.async_eval(h)
         return self.norm(h)[0]
 
 
