@@ -212,10 +212,18 @@ def main() -> None:
         action="store_true",
         help="keep this CPU's numpy, padding and per-layer queueing",
     )
+    ap.add_argument(
+        "--queue-layers",
+        action="store_true",
+        help="queue a verify and the drafter's pass layer by layer on any device (the CPU's "
+        "default; a GPU's rounds with it, to compare with a run without)",
+    )
     args = ap.parse_args()
-    if not args.cpu_tricks:
-        from mlx_dflash.engine import device
+    from mlx_dflash.engine import device
 
+    if args.queue_layers:  # on any device: how a GPU's rounds change with it
+        device.queues_layers = lambda: True
+    elif not args.cpu_tricks:
         device.queues_layers = lambda: False  # as on a GPU
     count_waits()
     from rich.console import Console
