@@ -27,7 +27,6 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_dflash.engine import device
 from mlx_dflash.engine.contract import Pass
 from mlx_dflash.models import attention, drafter
 from mlx_dflash.models.target import load_target
@@ -41,10 +40,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--fused-attention", action="store_true")
     args = ap.parse_args()
-    device.queues_layers = lambda: False  # no evaluation inside the timed build
     if args.fused_attention:
         attention.use_cpu_attention = drafter.use_cpu_attention = lambda: False
     target = load_target(args.target)
+    target.queue_layers = False  # no evaluation inside the timed build
     ours_cache, ref_cache = target.make_cache(), make_prompt_cache(target.model)
     ctx = args.context
     prompt = mx.array(np.arange(ctx) % (target.vocab_size - 3) + 3, dtype=mx.int32)

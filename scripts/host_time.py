@@ -16,7 +16,7 @@ table shows per round (medians over every decoding round of every prompt, after 
 - batched rows: one packed tick of 4 or 8 rows (wall per packed forward, and per row-round).
 
 The CPU tricks are off (a Mac runs none of them), unless --cpu-tricks: numpy exponentials, BLAS
-row padding, and queueing a verify layer by layer (engine/device.py queues_layers), which
+row padding, and queueing a verify layer by layer (models/queueing.py), which
 overlaps graph building with evaluation here, on cores the two then share.
 
     python scripts/overhead_case.py build models/overhead-case          # once, ~3 minutes
@@ -219,12 +219,9 @@ def main() -> None:
         "default; a GPU's rounds with it, to compare with a run without)",
     )
     args = ap.parse_args()
-    from mlx_dflash.engine import device
-
-    if args.queue_layers:  # on any device: how a GPU's rounds change with it
-        device.queues_layers = lambda: True
-    elif not args.cpu_tricks:
-        device.queues_layers = lambda: False  # as on a GPU
+    # Queueing layer by layer: forced on with --queue-layers (a GPU's rounds with it, on any
+    # device), off without --cpu-tricks (as a GPU that measured it slower), else as loaded.
+    queue = True if args.queue_layers else (None if args.cpu_tricks else False)
     count_waits()
     from rich.console import Console
     from rich.table import Table
@@ -235,6 +232,8 @@ def main() -> None:
         if not (case / "target").is_dir():
             raise SystemExit(f"{case} is missing: python scripts/overhead_case.py build {case}")
         pairs[kind] = load_pair(str(case / "target"), str(case / "drafter"))
+        if queue is not None:
+            pairs[kind][0].queue_layers = queue
         lines = (case / "prompts.jsonl").read_text().splitlines()[: args.limit]
         prompts[kind] = [json.loads(line)["token_ids"] for line in lines]
         truth[kind] = [greedy(pairs[kind][0], ids, args.max_tokens) for ids in prompts[kind]]

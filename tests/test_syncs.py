@@ -152,9 +152,10 @@ def test_batched_rows_wait_once_a_row_round(target, truth, waits, monkeypatch):
 def test_the_drafter_computes_while_the_host_works(mode, target, truth, monkeypatch):
     """Every drafting round queues its drafter's pass (mx.async_eval) before its host work: a
     block round before building the verify, a tree round before looking for lookup branches,
-    on every device class (engine/device.py: measured never slower on the CPU either). On the
-    CPU alone the verify also queues each layer as it is built (queues_layers): a block round
-    queues 1 + layers times, on a GPU once. Output is the same as without the queueing."""
+    on every device class (engine/device.py: measured never slower on the CPU either). Where
+    the target queues its layers (models/queueing.py: the CPU's choice, and a GPU's where it
+    measured faster) the verify also queues each layer as it is built: a block round queues
+    1 + layers times, else once. Output is the same as without the queueing."""
     queued: list[int] = []
     real = mx.async_eval
     settings = {"mode": mode, "budget": 16, "lookup": 6} if mode == "ddtree" else {"mode": mode}
@@ -162,6 +163,8 @@ def test_the_drafter_computes_while_the_host_works(mode, target, truth, monkeypa
     outs = []
     for device in ("cpu", "metal", "gpu", None):
         monkeypatch.setattr(engine_device, "device_class", lambda d=device: d or "cpu")
+        # as loaded there: by layer on the CPU, whole on a GPU that measured it slower
+        monkeypatch.setattr(target, "queue_layers", device == "cpu")
         # None: async_eval made a no-op, so nothing is evaluated ahead of its wait
         monkeypatch.setattr(
             mx,

@@ -182,26 +182,45 @@ def pair_report(model: str | None, drafter: str | None) -> dict[str, str]:
     return out
 
 
-def verify_kernel_report(model: str | None) -> dict[str, str]:
-    """On Metal, a quantized target's calibration (models/quantized.py): per row count, the
-    whole model's stock and kernel cost in one-row steps and the layers on the kernel."""
-    from ..engine.device import on_metal
+def verify_report(model: str | None) -> dict[str, str]:
+    """How a verify runs on this machine: whether it is queued layer by layer (models/queueing.py:
+    the CPU backend's choice, a GPU's measured per target), and on Metal a quantized target's
+    kernel calibration (models/quantized.py): per row count, the whole model's stock and
+    kernel cost in one-row steps and the layers on the kernel."""
+    from ..engine.device import on_cpu, on_metal
 
-    if model is None or not on_metal():
+    if on_cpu():
+        return {"verify queueing": "layer by layer (the CPU backend's choice)"}
+    if model is None:
         return {}
     from ..checkpoints.resolve import resolve_model
     from ..models.target import load_target
 
-    target = load_target(resolve_model(model, "target"))  # (calibrates once, then cached)
+    target = load_target(resolve_model(model, "target"))  # (measures once, then cached)
+    out = {"verify queueing": queueing_line(target)}
+    if not on_metal():
+        return out
     cal = target.verify_kernel
     if cal is None:
-        return {"verify kernel": "none: no quantized linear layer the kernel takes"}
+        return {**out, "verify kernel": "none: no quantized linear layer the kernel takes"}
     if not cal.agreed:
-        return {"verify kernel": f"not used: it disagreed with stock MLX here ({cal.reason})"}
+        return {**out, "verify kernel": f"not used: it disagreed with stock MLX ({cal.reason})"}
     lines = [f"M={r['rows']:>2}: stock {r['stock_steps']:.2f} / kernel {r['kernel_steps']:.2f} "
              f"steps, kernel on {r['kernel_layers']} of {r['shapes']} shapes"
              for r in cal.rows()]  # fmt: skip
-    return {"verify kernel": "\n".join(lines)}
+    return {**out, "verify kernel": "\n".join(lines)}
+
+
+def queueing_line(target) -> str:
+    """The measured choice between a verify queued whole and layer by layer."""
+    t = target.queue_timings
+    if t is None:
+        return "whole (not measured: a sharded target)"
+    way = "layer by layer" if target.queue_layers else "whole"
+    return (
+        f"{way}: a 16-token verify {1e3 * t['by_layer']:.2f} ms by layer, "
+        f"{1e3 * t['whole']:.2f} ms whole (measured at first load)"
+    )
 
 
 def pairs_summary() -> dict[str, str]:
@@ -222,7 +241,7 @@ def doctor_command(model: str = opts.MODEL, drafter: str = opts.DRAFTER) -> None
     from .. import _blas
 
     table = Table(show_header=False, box=None)
-    rows = {**report(), **pair_report(model, drafter), **verify_kernel_report(model)}
+    rows = {**report(), **pair_report(model, drafter), **verify_report(model)}
     blas_ok = not sys.platform.startswith("linux") or bool(_blas.loaded_blas)
     for k, v in {
         **rows,

@@ -7,7 +7,7 @@
 - "cpu": MLX's CPU backend (this project's Linux bench). CPU tricks only: numpy exponentials
   (kernels/cpu_math.py), the BLAS row padding (models/padding.py), host-side top-k and lattice
   sums (engine/tree.py, engine/lattice.py), the CPU attention path (kernels/cpu_attention.py),
-  a verify queued layer by layer (`queues_layers`).
+  a verify queued layer by layer without timing it (`queues_layers`).
 A CPU trick asks `device_class() == "cpu"`, never "not Metal", so it never runs on a GPU.
 
 Queueing a pass whole is not a per-class choice: every device queues the drafter's pass
@@ -16,9 +16,10 @@ search in a tree round), as mlx-lm's and z-lab's loops do. On a GPU the device c
 Python runs; on the CPU backend MLX's evaluation thread takes the other core, and measured
 paired on this bench (docs/host-time.md) it was 1-4% faster, never slower.
 
-Queueing by layer is (`queues_layers`): on the CPU backend a verify forward and the drafter's
-pass queue each layer as its graph is built, so that MLX's evaluation thread computes a layer
-while Python builds the next.
+Queueing by layer is chosen per machine (`queues_layers`, models/queueing.py): on the CPU
+backend a verify forward and the drafter's pass queue each layer as its graph is built, so that
+MLX's evaluation thread computes a layer while Python builds the next; a GPU times both ways at
+a target's first load and keeps the faster.
 
 Metal hygiene, as mlx-lm does it: generation runs with the weights wired and on a stream of
 its own. Both are Apple-GPU matters; on any other device both are no-ops.
@@ -65,7 +66,8 @@ def on_cpu() -> bool:
 
 def queues_layers() -> bool:
     """Whether a verify forward and the drafter's pass queue each layer (mx.async_eval) as its
-    graph is built: on the CPU backend only.
+    graph is built, by device class: yes on the CPU backend, measured below; a GPU's answer is
+    timed per target at its first load instead (models/queueing.py), so this says no there.
 
     MLX's CPU backend counts a task per 10 dispatched operations and makes the host wait while
     more than 10 tasks are in flight (mlx/backend/cpu/encoder.h, transforms.cpp
@@ -76,8 +78,7 @@ def queues_layers() -> bool:
     configuration and DDTree 64 unchanged (their CPU forwards sync inside for numpy's
     exponentials); a random Qwen3 of hidden 1024 x 12 layers (compute-bound) unchanged, except
     plain steps, 2% slower, so plain steps and prefill chunks (not rewindable) are queued whole
-    as before. Not on GPUs: each queueing commits a command buffer there, a verify's graph is
-    already built while the GPU computes the drafter's pass, and nothing has measured it."""
+    as before."""
     return on_cpu()
 
 

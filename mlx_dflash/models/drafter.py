@@ -22,7 +22,6 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..engine import device
 from ..engine.contract import DraftAsk, Proposal
 from ..engine.lattice import LatticeDrafts
 from ..engine.marginals import Marginals
@@ -212,13 +211,15 @@ class DFlashDrafter(nn.Module):
             k, v = layer.self_attn.project_kv(c, position)
             lc.append(k, v)
 
-    def __call__(self, embeds: mx.array, caches: list[list[ContextCache]], starts: list[int]):
+    def __call__(
+        self, embeds: mx.array, caches: list[list[ContextCache]], starts: list[int], queue=False
+    ):
         """Hidden states (R * bs, H) of R blocks packed in `embeds` (R * bs, H), block r at
         positions starts[r].. over its own cached context (caches[r], a cache per layer): the
-        projections, MLPs and convolutions run once for all of them."""
+        projections, MLPs and convolutions run once for all of them. `queue`: each layer
+        queued as it is built, as the target's verify is (models/queueing.py)."""
         h, R = embeds[None], len(starts)
         bs = h.shape[1] // R
-        queue = device.queues_layers()  # each layer queued as it is built (engine/device.py)
         positions = None
         if R > 1:
             positions = mx.array(np.concatenate([s + np.arange(bs) for s in starts]), mx.int32)
@@ -343,7 +344,7 @@ def propose_rows(runners: list, requests: list[tuple[int, int, int]]) -> list[Pr
         embeds.append(e if cfg.input_embedding_scale is None else e * cfg.input_embedding_scale)
     caches = [r.cache for r in runners]  # (pending taps projected first)
     embed = embeds[0] if len(embeds) == 1 else mx.concatenate(embeds)
-    h = drafter(embed, caches, [start for _, start, _ in requests])
+    h = drafter(embed, caches, [start for _, start, _ in requests], first.target.queue_layers)
     picks = [h[k * bs + 1 : k * bs + 1 + n] for k, (_, _, n) in enumerate(requests)]
     logits = first.logits(picks[0] if len(picks) == 1 else mx.concatenate(picks))
     out: list[Proposal] = []

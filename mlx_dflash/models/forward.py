@@ -21,7 +21,6 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ..engine import device
 from ..engine.contract import Pass
 from ..errors import DFlashError
 from ..kernels.tree_attention import tree_depths
@@ -90,8 +89,8 @@ def run_layers(target, h: mx.array, layers, spans: list[Span]) -> tuple[mx.array
         every = np.concatenate([r.p.positions() for r in spans])
         positions = mx.array(every, dtype=mx.int32)
     tapped: dict[int, mx.array] = {}
-    # A verify's layers are queued one by one where that pays (engine/device.py)
-    queue = any(r.p.rewindable for r in spans) and device.queues_layers()
+    # A verify's layers are queued one by one where that measured faster (models/queueing.py)
+    queue = target.queue_layers and any(r.p.rewindable for r in spans)
     for i in layers:
         h = target.family.block(target.layers[i], h, _mixer(target, i, spans, positions))
         if queue:

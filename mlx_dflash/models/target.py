@@ -19,8 +19,10 @@ import numpy as np
 
 from ..checkpoints.read import read_config, text_config
 from ..distributed import LOCAL, LocalWorld, World
+from ..engine import device
 from ..engine.contract import Pass
 from ..errors import DFlashError
+from . import queueing
 from .arena import KVArena
 from .cache import (
     KVCache,
@@ -72,6 +74,10 @@ class Target:
         # (models/quantized.py); a tied quantized head's stand-in takes the same choice.
         self.verify_kernel: Any = None
         self.tied_head: Any = None
+        # Whether a verify and the drafter's pass queue each layer as it is built
+        # (models/queueing.py): the CPU backend's choice until load_target measures a GPU's.
+        self.queue_layers = device.queues_layers()
+        self.queue_timings: dict[str, float] | None = None  # that measurement, for doctor
         self._draft_heads: dict[bytes, tuple[mx.array, mx.array]] = {}  # draft_head_rows'
         self.folder: Path | None = None  # where it was loaded from (load_target)
         self.set_taps(tap_ids)
@@ -303,6 +309,7 @@ def load_target(path: str | Path, lazy: bool = False) -> Target:
     if not lazy:  # a lazy load is sharded next (distributed.py): no padding there
         target.padding = RowPadding.for_target(target)
         verify_kernel(target)
+        target.queue_layers = queueing.choose(target)
     return target
 
 
