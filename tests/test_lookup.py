@@ -16,7 +16,7 @@ from mlx_dflash.engine import GenerationConfig, Session, generate_rounds
 from mlx_dflash.engine import lookup as lookup_mod
 from mlx_dflash.engine.lookup import LookupStats, PromptLookup
 from mlx_dflash.engine.sampling import SamplingParams
-from mlx_dflash.engine.tree import build_tree, graft, root_only
+from mlx_dflash.engine.tree import build_tree, graft, graft_sizes, root_only
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.target import Target
 from mlx_dflash.models.tiny import HYBRID_TYPES, TARGET_TYPES, load_module, tiny_target_config
@@ -81,6 +81,28 @@ def test_graft_shares_prefixes_and_keeps_parents_first():
     assert grafted.depths[node] == 3
     assert kids[0][8] == len(grafted.tokens) - 1
     assert len(graft(root_only(7), [[1, 2], [1, 3]]).tokens) == 4
+
+
+def test_graft_sizes_count_every_cut_length():
+    """graft_sizes (what the auto budget prices lookup branches with) equals the size of the
+    grafted tree at every cut length: chains sharing a prefix, following the drafter's nodes,
+    repeating one another, and of different lengths."""
+    rng = np.random.default_rng(3)
+    for trial in range(40):
+        k = int(rng.integers(1, 4))
+        logits = rng.normal(size=(int(rng.integers(1, 6)), k))
+        cands = rng.integers(0, 4, size=logits.shape)
+        for row in cands:  # distinct siblings, as the drafter's top-k are
+            row[:] = rng.permutation(6)[:k]
+        probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+        tree = build_tree(9, cands, np.log(probs), budget=int(rng.integers(0, 12)))
+        chains = [rng.integers(0, 4, size=int(rng.integers(1, 8))).tolist() for _ in range(3)]
+        if trial % 4 == 0:
+            chains.append(list(chains[0]))
+        sizes = graft_sizes(tree, chains)
+        want = [len(graft(tree, [c[:n] for c in chains]).tokens) for n in range(len(sizes))]
+        assert sizes.tolist() == want
+        assert len(sizes) == max(len(c) for c in chains) + 1
 
 
 def test_lookup_stats_rate():

@@ -17,7 +17,7 @@ import numpy as np
 from ..paths import profile_key, read_profile, write_profile
 from .contract import Pass
 from .session import Session
-from .tree import Tree, expected_tokens, graft
+from .tree import Tree, expected_tokens, graft, graft_sizes
 
 AUTO_MAX_BUDGET = 64
 
@@ -402,13 +402,10 @@ class AutoBudget:
             return chains
         # The drafter's nodes at its calibrated confidence, grammar drafts as certain.
         base = expected_tokens(tree, self.calibration if drafted else 1.0)[-1]
-        costs = self.costs()
-        best, best_rate = 0, base / (self.overhead + costs.cost(len(tree.tokens)))
-        for length in range(1, max(len(c) for c in chains) + 1):
-            size = len(graft(tree, [c[:length] for c in chains]).tokens)
-            rate = (base + lookup_stats.expected(length)) / (self.overhead + costs.cost(size))
-            if rate > best_rate:
-                best, best_rate = length, rate
+        sizes = graft_sizes(tree, chains)  # the grafted tree's size at each cut length
+        gains = [base] + [base + lookup_stats.expected(n) for n in range(1, len(sizes))]
+        rates = np.asarray(gains) / (self.overhead + self.costs().cost(sizes))
+        best = int(np.argmax(rates))  # the shortest of the best (0: none pays)
         return [c[:best] for c in chains] if best else []
 
     def lookup_suffices(self, root: Tree, chains: list[list[int]], lookup_stats) -> bool:

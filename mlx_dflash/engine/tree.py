@@ -90,6 +90,26 @@ def graft(
     return Tree.of(tokens, parents, depths, lps, sure)
 
 
+def graft_sizes(tree: Tree, chains: list[list[int]]) -> np.ndarray:
+    """sizes[L]: how many nodes graft(tree, [c[:L] for c in chains]) has, for every L up to the
+    longest chain, in one walk (the budget prices each cut length of lookup branches). A new
+    node at depth d of a chain is new at that depth for every chain that reaches it."""
+    longest = max((len(c) for c in chains), default=0)
+    new_at = np.zeros(longest + 1, dtype=np.int64)
+    kids = tree.children()
+    for chain in chains:
+        node = 0
+        for depth, tok in enumerate(chain, 1):
+            nxt = kids[node].get(int(tok))
+            if nxt is None:
+                nxt = len(kids)
+                kids[node][int(tok)] = nxt
+                kids.append({})
+                new_at[depth] += 1
+            node = nxt
+    return len(tree.tokens) + np.cumsum(new_at)
+
+
 def root_only(root: int) -> Tree:
     """A tree of just the last decided token (lookup branches are grafted onto it)."""
     z = np.zeros(1, dtype=np.int64)
