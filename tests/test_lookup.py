@@ -186,13 +186,16 @@ def test_a_paused_drafter_leaves_lookup_branches_running(target, monkeypatch, tm
 
 def test_rounds_that_skip_the_drafter_for_lookup_stay_exact(target, monkeypatch, tmp_path):
     """Rounds where the policy finds the lookup branches enough run no drafter pass (and the
-    drafter still gets their context); with every other round skipping, output is exact."""
+    drafter still gets their context); with every other round skipping, output is exact. The
+    branches are kept whole: priced by the clock (cut_lookup), a loaded machine could cut
+    them all, and no round would skip (it failed so once in a full run)."""
     from mlx_dflash.engine.budget import AutoBudget
 
     monkeypatch.setattr(SETTINGS, "cache", str(tmp_path))
     monkeypatch.setattr(lookup_mod, "MIN_NGRAM", 1)
     flips = itertools.cycle([True, False])
     monkeypatch.setattr(AutoBudget, "lookup_suffices", lambda self, *a: next(flips))
+    monkeypatch.setattr(AutoBudget, "cut_lookup", lambda self, tree, chains, *a: chains)
     ref = mlx_lm_greedy(target, PROMPT, N)
     target.set_taps([1, 3])
     oracle = OracleDrafter(PROMPT + ref, target.vocab_size, block_size=8, corrupt=0.3, seed=4)
