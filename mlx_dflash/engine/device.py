@@ -11,10 +11,10 @@
 A CPU trick asks `device_class() == "cpu"`, never "not Metal", so it never runs on a GPU.
 
 Queueing a pass whole is not a per-class choice: every device queues the drafter's pass
-(`mx.async_eval`) and does its host work meanwhile (the verify's graph in a block round, the lookup branch
-search in a tree round), as mlx-lm's and z-lab's loops do. On a GPU the device computes while
-Python runs; on the CPU backend MLX's evaluation thread takes the other core, and measured
-paired on this bench (docs/host-time.md) it was 1-4% faster, never slower.
+(`mx.async_eval`) and does its host work meanwhile (the verify's graph in a block round, the
+lookup branch search in a tree round), as mlx-lm's and z-lab's loops do. On a GPU the device
+computes while Python runs; on the CPU backend MLX's evaluation thread takes the other core,
+and measured paired on this bench (docs/host-time.md) it was 1-4% faster, never slower.
 
 Queueing by layer is chosen per machine (`queues_layers`, models/queueing.py): on the CPU
 backend a verify forward and the drafter's pass queue each layer as its graph is built, so that
