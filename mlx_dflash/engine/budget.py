@@ -32,6 +32,21 @@ def smooth(old: float, new: float, weight: float, first: bool = False) -> float:
     return new if first else (1 - weight) * old + weight * new
 
 
+def session_at(target, context: int) -> tuple[Session, mx.array]:
+    """A Session of `target` with `context` tokens cached, and their ids: where the verify
+    profile and the queueing choice (models/queueing.py) time verifies."""
+    session = Session(target)
+    prompt = (np.arange(context) % max(2, target.vocab_size - 1)).tolist()
+    ids = mx.array(prompt, dtype=mx.int32)
+    p = Pass(ids, session.cache, 0, logits="last", taps=False, rewindable=False)
+    logits, _ = target.forward([p])[0]
+    session.commit(prompt)
+    # The logits too: on a pipeline stage they are what carries the send to the next rank.
+    mx.eval(logits, [c.state_arrays for c in session.cache])
+    session.mark_prompt_end()  # recurrent layers (hybrid targets) rewind to here
+    return session, ids
+
+
 class VerifyProfile:
     """Measured target verify time as a function of tree size, cached per model and machine."""
 
@@ -62,15 +77,7 @@ class VerifyProfile:
         cls, target, context: int = 256, repeats: int = 3, sizes: tuple[int, ...] = SIZES
     ) -> VerifyProfile:
         """Time chain-shaped verifies of each size after `context` cached tokens."""
-        session = Session(target)
-        prompt = (np.arange(context) % max(2, target.vocab_size - 1)).tolist()
-        ids = mx.array(prompt, dtype=mx.int32)
-        p = Pass(ids, session.cache, 0, logits="last", taps=False, rewindable=False)
-        logits, _ = target.forward([p])[0]
-        session.commit(prompt)
-        # The logits too: on a pipeline stage they are what carries the send to the next rank.
-        mx.eval(logits, [c.state_arrays for c in session.cache])
-        session.mark_prompt_end()  # recurrent layers (hybrid targets) rewind to here
+        session, ids = session_at(target, context)
         secs = []
         for n in sizes:
             parents = np.arange(-1, n - 1)

@@ -18,11 +18,11 @@ from __future__ import annotations
 import time
 
 import mlx.core as mx
-import numpy as np
 
 from ..engine import device
+from ..engine.budget import profile_name, session_at
 from ..engine.contract import Pass
-from ..paths import profile_key, read_profile, write_profile
+from ..paths import read_profile, write_profile
 
 REPEATS = 5
 TOKENS, CONTEXT = 16, 256
@@ -30,15 +30,7 @@ TOKENS, CONTEXT = 16, 256
 
 def measure(target, repeats: int = REPEATS) -> dict[str, float]:
     """Seconds to build and evaluate one verify queued whole and by layer (the best of each)."""
-    from ..engine.session import Session
-
-    session = Session(target)
-    prompt = (np.arange(CONTEXT) % max(2, target.vocab_size - 1)).tolist()
-    ids = mx.array(prompt, dtype=mx.int32)
-    logits, _ = target.forward([Pass(ids, session.cache, 0, logits="last", rewindable=False)])[0]
-    session.commit(prompt)
-    mx.eval(logits, [c.state_arrays for c in session.cache])
-    session.mark_prompt_end()
+    session, ids = session_at(target, CONTEXT)
     best = {"whole": float("inf"), "by_layer": float("inf")}
     kept = target.queue_layers
     try:
@@ -60,7 +52,7 @@ def choose(target, timer=measure) -> bool:
     device class's choice on the CPU, the faster way measured once (then cached) on a GPU."""
     if device.on_cpu() or target.world.sharded:
         return device.queues_layers()
-    name = f"{profile_key(target)}{target.forward_paths}-queue"
+    name = profile_name(target) + "-queue"  # beside the verify profile
     times = read_profile(
         name, lambda d: {"whole": float(d["whole"]), "by_layer": float(d["by_layer"])}
     )
