@@ -204,7 +204,10 @@ def verify_report(model: str | None) -> dict[str, str]:
     if cal is None:
         return {**out, "verify kernel": "none: no quantized linear layer the kernel takes"}
     if not cal.agreed:
-        return {**out, "verify kernel": f"not used: it disagreed with stock MLX ({cal.reason})"}
+        return {
+            **out,
+            "verify kernel": f"not used: it disagreed with stock MLX here ({cal.reason})",
+        }
     lines = [f"M={r['rows']:>2}: stock {r['stock_steps']:.2f} / kernel {r['kernel_steps']:.2f} "
              f"steps, kernel on {r['kernel_layers']} of {r['shapes']} shapes"
              for r in cal.rows()]  # fmt: skip
@@ -213,12 +216,14 @@ def verify_report(model: str | None) -> dict[str, str]:
 
 def queueing_line(target) -> str:
     """The measured choice between a verify queued whole and layer by layer."""
+    from ..models.queueing import TOKENS
+
     t = target.queue_timings
     if t is None:
         return "whole (not measured: a sharded target)"
     way = "layer by layer" if target.queue_layers else "whole"
     return (
-        f"{way}: a 16-token verify {1e3 * t['by_layer']:.2f} ms by layer, "
+        f"{way}: a {TOKENS}-token verify {1e3 * t['by_layer']:.2f} ms by layer, "
         f"{1e3 * t['whole']:.2f} ms whole (measured at first load)"
     )
 
