@@ -161,6 +161,10 @@ def zlab_loop(case: Path):
 # Our methods as a user asks for them: `--mode dflash` (the block round), `--mode ddtree`
 # (auto budget) and no flags at all (the default: auto tree, lookup, the drafter's corpus).
 MODES = {"dflash": {"mode": "dflash"}, "ddtree": {"mode": "ddtree"}, "default": {}}
+# And the block round with its verify and drafter's pass queued whole (models/queueing.py), so
+# that the layer-by-layer queueing this machine chose is measured against it in the same run.
+WHOLE = "dflash, queued whole"
+MODES[WHOLE] = MODES["dflash"]
 
 
 def measure(case: Path, max_tokens: int = 64, reps: int = 5, modes=tuple(MODES)) -> None:
@@ -179,6 +183,7 @@ def measure(case: Path, max_tokens: int = 64, reps: int = 5, modes=tuple(MODES))
     prompts = [json.loads(line)["token_ids"] for line in (case / "prompts.jsonl").open()]
     cfg = {m: GenerationConfig(max_tokens=max_tokens, **MODES[m]) for m in modes}
     zlab = zlab_loop(case)
+    chosen = target.queue_layers  # (the WHOLE method turns it off for its own generations)
     methods = ["mlx-lm", *modes] + (["z-lab"] if zlab else [])
     times: dict[str, list[float]] = {m: [] for m in methods}
     taus: dict[str, list[float]] = {m: [] for m in modes}
@@ -190,11 +195,13 @@ def measure(case: Path, max_tokens: int = 64, reps: int = 5, modes=tuple(MODES))
         elif method == "z-lab":
             out = zlab(ids, max_tokens)
         else:  # rounds, not text: mlx-lm's generate_step does not detokenize either
+            target.queue_layers = chosen and method != WHOLE
             out = []
             for rnd in generate_rounds(Session(target, drafter), ids, cfg[method]):
                 out += rnd.tokens
                 if rnd.accepted and not rnd.prefill:
                     taus[method].append(rnd.accepted)
+            target.queue_layers = chosen
         return out, time.perf_counter() - t0
 
     for _ in range(2):  # warm-up
@@ -232,6 +239,10 @@ def measure(case: Path, max_tokens: int = 64, reps: int = 5, modes=tuple(MODES))
     print("per prompt, median / min: " + ", ".join(
         f"{m} {np.median(np.median(per[m], axis=0) / per[m].min(axis=0)):.2f}" for m in methods
     ))  # fmt: skip
+    if "dflash" in modes and WHOLE in modes:  # the same generation both ways, paired
+        r = np.array(times["dflash"]) / np.array(times[WHOLE])
+        print(f"dflash / {WHOLE}, paired: median {np.median(r):.3f}, medians "
+              f"{np.median(times['dflash']) / np.median(times[WHOLE]):.3f}")  # fmt: skip
     if zlab:
         best = {m: per[m].min(axis=0) for m in methods}
         for m in modes:
