@@ -6,7 +6,7 @@ a field, tests change them through monkeypatch (tests/conftest.py), and `dflash-
 prints them. A value is checked where it is used, in one sentence naming the variable, so a
 typo in one never stops `import mlx_dflash`.
 
-Five of them change which code computes a verify (the first five below); each states which
+Six of them change which code computes a verify (the first six below); each states which
 device class it serves (engine/device.py).
 """
 
@@ -24,6 +24,7 @@ VARIABLES = {
     "gdn": ("DFLASH_GDN", "Gated DeltaNet kernels: auto | metal | reference (Metal)"),
     "numpy_math": ("DFLASH_MLX_NUMPY_MATH", "large exponentials through numpy: auto | 0 | 1 (CPU)"),
     "row_padding": ("DFLASH_MLX_ROW_PADDING", "dense rows padded: auto | 0 | k (CPU)"),
+    "cpu_attention": ("DFLASH_MLX_CPU_ATTENTION", "attention's base-2 softmax: auto | 0 (CPU)"),
     "blas": ("DFLASH_BLAS", "OpenBLAS for float32 matmuls: auto | off | a path (CPU, Linux)"),
     "parallel": ("DFLASH_MLX_PARALLEL", "a sharded target: auto | tensor | pipeline"),
     "dist_timeout": ("DFLASH_MLX_DIST_TIMEOUT", "seconds a rank waits for the others"),
@@ -40,6 +41,7 @@ class Settings:
     gdn: str = ""
     numpy_math: str = ""
     row_padding: str = ""
+    cpu_attention: str = ""
     blas: str = ""
     parallel: str = ""
     dist_timeout: str = ""

@@ -16,8 +16,10 @@ table shows per round (medians over every decoding round of every prompt, after 
 - batched rows: one packed tick of 4 or 8 rows (wall per packed forward, and per row-round).
 
 The CPU tricks are off (a Mac runs none of them), unless --cpu-tricks: numpy exponentials, BLAS
-row padding, and queueing a verify layer by layer (models/queueing.py), which
-overlaps graph building with evaluation here, on cores the two then share.
+row padding, the CPU attention (grouped matmuls and a base-2 softmax: about 14 operations a layer
+where a Mac builds MLX's one fused attention), and queueing a verify layer by layer
+(models/queueing.py), which overlaps graph building with evaluation here, on cores the two then
+share.
 
     python scripts/overhead_case.py build models/overhead-case          # once, ~3 minutes
     python scripts/overhead_case.py build-dflash2 models/overhead-case2
@@ -37,12 +39,14 @@ import tempfile
 import time
 from pathlib import Path
 
-# The CPU tricks (numpy exponentials, BLAS row padding: engine/device.py) never run on a Mac and
-# sync inside a forward's graph, which would blur graph building and evaluation here: off,
+# The CPU tricks (numpy exponentials, BLAS row padding, the CPU attention: engine/device.py)
+# never run on a Mac; the first two sync inside a forward's graph, which would blur graph
+# building and evaluation here, and the third builds more operations than a Mac's graph: off,
 # unless --cpu-tricks.
 if "--cpu-tricks" not in sys.argv:
     os.environ.setdefault("DFLASH_MLX_NUMPY_MATH", "0")
     os.environ.setdefault("DFLASH_MLX_ROW_PADDING", "0")
+    os.environ.setdefault("DFLASH_MLX_CPU_ATTENTION", "0")
 
 import mlx_dflash  # noqa: F401  (loads OpenBLAS before mlx on Linux)
 
@@ -210,7 +214,7 @@ def main() -> None:
     ap.add_argument(
         "--cpu-tricks",
         action="store_true",
-        help="keep this CPU's numpy, padding and per-layer queueing",
+        help="keep this CPU's numpy, padding, attention and per-layer queueing",
     )
     ap.add_argument(
         "--queue-layers",

@@ -78,6 +78,22 @@ def test_ar_and_random_drafter_match_mlx_lm(target):
     assert all(1 <= t <= 8 for t in taus)
 
 
+def test_exact_with_the_cpu_attention_off(target, monkeypatch):
+    """DFLASH_MLX_CPU_ATTENTION=0 (MLX's fused attention, the graphs a GPU builds: what
+    scripts/host_time.py measures) keeps every mode exact: target, drafter and tree verify."""
+    from mlx_dflash.kernels import cpu_attention
+
+    monkeypatch.setattr(SETTINGS, "cpu_attention", "0")
+    assert not cpu_attention.use_cpu_attention()
+    ref = mlx_lm_greedy(target, PROMPT, N)
+    for mode in ("dflash", "ddtree"):
+        out, _ = run(Session(target, random_drafter(target)), PROMPT, max_tokens=N, mode=mode)
+        assert out == ref, mode
+    monkeypatch.setattr(SETTINGS, "cpu_attention", "off")
+    with pytest.raises(DFlashError, match="DFLASH_MLX_CPU_ATTENTION must be one of auto, 0"):
+        cpu_attention.use_cpu_attention()
+
+
 @pytest.mark.parametrize("mode", ["dflash", "ddtree"])
 def test_draft_vocabulary_restricts_proposals_not_output(target, mode):
     """A drafter with a draft vocabulary scores exactly those tokens as the full head would,

@@ -136,7 +136,7 @@ def report() -> dict[str, str]:
         "device class": {
             "metal": "metal: Metal kernels, measured choices",
             "gpu": "gpu (MLX's CUDA backend): stock MLX, no Metal kernels, no CPU tricks",
-            "cpu": "cpu: CPU tricks (numpy exponentials, BLAS row padding), no kernels",
+            "cpu": "cpu: CPU tricks (numpy exponentials, BLAS row padding, attention), no kernels",
         }[device_class()],
         "blas": blas,
         "float32 matmul": f"{matmul_gflops():.1f} GFLOP/s (1024x1024)",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..engine.device import on_cpu
+from ..settings import SETTINGS
 from . import cpu_math
 
 LOG2E = 1.4426950408889634
@@ -27,8 +28,10 @@ BLOCKED_MIN_QUERIES = 64
 
 
 def use_cpu_attention() -> bool:
-    """A CPU trick (engine/device.py): on the CPU backend only."""
-    return on_cpu()
+    """A CPU trick (engine/device.py): on the CPU backend only, unless DFLASH_MLX_CPU_ATTENTION
+    is 0 (MLX's fused attention then, as on a GPU: scripts/host_time.py measures a Mac's
+    graphs that way)."""
+    return on_cpu() and SETTINGS.choice("cpu_attention", ("auto", "0")) == "auto"
 
 
 def cpu_attention(

@@ -405,7 +405,9 @@ def attention_backend() -> str:
     """One line for `dflash-mlx doctor`: which tree-attention path runs, and why."""
     return metal_kernels.describe_backend(
         SETTING,
-        "reference (mx.fast.scaled_dot_product_attention with an ancestor mask)",
+        "reference (the CPU attention with an ancestor mask)"
+        if use_cpu_attention()
+        else "reference (mx.fast.scaled_dot_product_attention with an ancestor mask)",
         "tree attention",
         "metal tree-attention kernel",
         f"head dims {'/'.join(str(d) for d in SUPPORTED_HEAD_DIMS)}",

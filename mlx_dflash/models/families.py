@@ -15,6 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models import llama, qwen2, qwen3
 
 from ..checkpoints.read import is_drafter_config, text_config
 from ..errors import DFlashError
@@ -56,7 +57,7 @@ def by_layer_flag(inner, i: int) -> bool:
 
 # mlx-lm's MLP classes that compute down_proj(swiglu(gate_proj(x), up_proj(x))) (Mistral's
 # checkpoints load as llama).
-SWIGLU_MLPS = ("mlx_lm.models.llama.MLP", "mlx_lm.models.qwen2.MLP", "mlx_lm.models.qwen3.MLP")
+SWIGLU_MLPS = (llama.MLP, qwen2.MLP, qwen3.MLP)
 
 
 def prenorm_block(layer, h, mix):
@@ -71,8 +72,7 @@ def feed_forward(ffn, x: mx.array) -> mx.array:
     """The layer's MLP or MoE over x. mlx-lm's SwiGLU MLPs compute the same function with the
     product's exponentials in numpy where MLX's CPU backend is slow at them (kernels/cpu_math.py:
     at a 16-token verify, most of the MLP's cost on x86)."""
-    name = f"{type(ffn).__module__}.{type(ffn).__qualname__}"
-    if name in SWIGLU_MLPS and cpu_math.applies(
+    if type(ffn) in SWIGLU_MLPS and cpu_math.applies(
         x.size // x.shape[-1] * ffn.gate_proj.weight.shape[0], x.dtype
     ):
         return ffn.down_proj(cpu_math.silu_mul(ffn.gate_proj(x), ffn.up_proj(x)))
