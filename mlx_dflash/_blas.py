@@ -24,6 +24,8 @@ CANDIDATES = (
 )
 
 loaded_blas: str | None = None
+_lib: ctypes.CDLL | None = None
+LOADED_THREADS = 0  # OpenBLAS's own thread count at load (0: not loaded)
 
 
 def find_openblas() -> str | None:
@@ -54,9 +56,24 @@ def load_openblas() -> str | None:
             stacklevel=3,
         )
         return None
+    global _lib, LOADED_THREADS
     try:
-        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-    except OSError:
-        return None
+        _lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        LOADED_THREADS = int(_lib.openblas_get_num_threads())
+    except (OSError, AttributeError):  # (an override without OpenBLAS's thread calls)
+        LOADED_THREADS = 0
+        if _lib is None:
+            return None
     loaded_blas = path
     return path
+
+
+def threads() -> int:
+    """OpenBLAS's thread count now (0 where it is not loaded or not OpenBLAS)."""
+    return int(_lib.openblas_get_num_threads()) if _lib is not None and LOADED_THREADS else 0
+
+
+def set_threads(n: int) -> None:
+    """Run OpenBLAS's matmuls on n threads (models/queueing.py chooses n per target)."""
+    if _lib is not None and LOADED_THREADS:
+        _lib.openblas_set_num_threads(int(n))

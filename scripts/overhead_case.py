@@ -176,7 +176,7 @@ def measure(case: Path, max_tokens: int = 64, reps: int = 5, modes=tuple(MODES))
     as it goes, which mlx-lm's generate_step and our rounds do not: a few microseconds a round.)"""
     import time
 
-    from mlx_dflash import GenerationConfig, Session, generate_rounds, load_pair
+    from mlx_dflash import GenerationConfig, Session, _blas, generate_rounds, load_pair
     from mlx_dflash.benchmark.runner import run_mlx_lm
 
     target, drafter = load_pair(str(case / "target"), str(case / "drafter"))
@@ -222,6 +222,8 @@ def measure(case: Path, max_tokens: int = 64, reps: int = 5, modes=tuple(MODES))
     base_med, base_mean = np.median(times["mlx-lm"]), np.mean(times["mlx-lm"])
     n = len(times["mlx-lm"])
     print(f"{n} generations of {max_tokens} tokens each, interleaved; outputs identical")
+    print(f"OpenBLAS threads: {_blas.threads()} of {_blas.LOADED_THREADS} (chosen at the "
+          "target's load, models/queueing.py; every method in this process runs on them)")  # fmt: skip
     spread = {m: np.median(times[m]) / np.min(times[m]) for m in methods}
     print(f"mlx-lm: median {1000 * base_med:.1f} ms, mean {1000 * base_mean:.1f} ms, "
           f"median / min {spread['mlx-lm']:.2f}")  # fmt: skip

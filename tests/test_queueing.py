@@ -88,3 +88,58 @@ def test_by_layer_and_whole_verify_alike(target):
     target.queue_layers = True
     target.set_taps(kept)
     assert mx.array_equal(outs[0][0], outs[1][0]) and mx.array_equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize(
+    "timings, threads",
+    [
+        ({"2": 0.025, "1": 0.021}, 1),  # a host-bound target: a core left to Python
+        ({"2": 0.400, "1": 0.640}, 2),  # a compute-bound one keeps both BLAS threads
+        ({"2": 0.020, "1": 0.020}, 2),  # a tie keeps OpenBLAS's own count
+    ],
+)
+def test_the_cpu_keeps_the_faster_blas_thread_count(target, monkeypatch, timings, threads):
+    """On the CPU backend a float32 target times two block rounds with OpenBLAS's threads as
+    loaded and with one fewer, keeps the faster (measured once, then cached), sets it, and
+    doctor shows both times."""
+    from mlx_dflash import _blas
+    from mlx_dflash.cli.doctor import threads_line
+
+    monkeypatch.setattr(_blas, "LOADED_THREADS", 2)
+    now = [2]
+    monkeypatch.setattr(_blas, "set_threads", lambda n: now.__setitem__(0, n))
+    monkeypatch.setattr(_blas, "threads", lambda: now[0])
+    monkeypatch.setitem(target.config, "threads_case", str(timings))
+    calls = []
+    fake = lambda t, counts: (calls.append(counts), dict(timings))[1]  # noqa: E731
+    assert queueing.choose_threads(target, fake) == threads and now[0] == threads
+    assert queueing.choose_threads(target, fake) == threads  # read back from the cache
+    assert calls == [(2, 1)] and target.blas_timings == timings
+    assert threads_line(target).startswith(f"{threads}: two block rounds")
+
+
+def test_blas_threads_are_not_timed_where_they_cannot_matter(target, monkeypatch):
+    """One OpenBLAS thread, or weights that are not float32 matmuls (quantized): nothing
+    timed, OpenBLAS left as loaded."""
+    from mlx_dflash import _blas
+
+    set_to = []
+    monkeypatch.setattr(_blas, "set_threads", set_to.append)
+    never = lambda t, counts: pytest.fail("timed")  # noqa: E731
+    monkeypatch.setattr(_blas, "LOADED_THREADS", 1)
+    assert queueing.choose_threads(target, never) == 1
+    monkeypatch.setattr(_blas, "LOADED_THREADS", 2)
+    monkeypatch.setattr(queueing, "blas_weights", lambda t: False)
+    assert queueing.choose_threads(target, never) == 2
+    assert set_to == [1, 2] and target.blas_timings is None
+
+
+def test_timing_blas_threads_leaves_everything_as_it_was(target):
+    """measure_threads runs both counts for real: two positive times, and OpenBLAS's thread
+    count and the target's queueing restored."""
+    from mlx_dflash import _blas
+
+    before, queue = _blas.threads(), target.queue_layers
+    times = queueing.measure_threads(target, (2, 1), repeats=1)
+    assert set(times) == {"2", "1"} and min(times.values()) > 0
+    assert _blas.threads() == before and target.queue_layers is queue

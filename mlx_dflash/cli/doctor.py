@@ -189,14 +189,15 @@ def verify_report(model: str | None) -> dict[str, str]:
     kernel cost in one-row steps and the layers on the kernel."""
     from ..engine.device import on_cpu, on_metal
 
-    if on_cpu():
-        return {"verify queueing": "layer by layer (the CPU backend's choice)"}
+    cpu = {"verify queueing": "layer by layer (the CPU backend's choice)"} if on_cpu() else {}
     if model is None:
-        return {}
+        return cpu
     from ..checkpoints.resolve import resolve_model
     from ..models.target import load_target
 
     target = load_target(resolve_model(model, "target"))  # (measures once, then cached)
+    if cpu:
+        return {**cpu, "blas threads": threads_line(target)}
     out = {"verify queueing": queueing_line(target)}
     if not on_metal():
         return out
@@ -226,6 +227,17 @@ def queueing_line(target) -> str:
         f"{way}: a {TOKENS}-token verify {1e3 * t['by_layer']:.2f} ms by layer, "
         f"{1e3 * t['whole']:.2f} ms whole (measured at first load)"
     )
+
+
+def threads_line(target) -> str:
+    """OpenBLAS's threads for this target's forwards, and what chose them (models/queueing.py)."""
+    from .. import _blas
+
+    t, n = target.blas_timings, _blas.threads()
+    if t is None:
+        return f"{n} (OpenBLAS's own: not a float32 target, or one thread)" if n else "no OpenBLAS"
+    timed = ", ".join(f"{1e3 * sec:.2f} ms on {k}" for k, sec in t.items())
+    return f"{n}: two block rounds {timed} (measured at first load)"
 
 
 def pairs_summary() -> dict[str, str]:

@@ -7,7 +7,8 @@
 - "cpu": MLX's CPU backend (this project's Linux bench). CPU tricks only: numpy exponentials
   (kernels/cpu_math.py), the BLAS row padding (models/padding.py), host-side top-k and lattice
   sums (engine/tree.py, engine/lattice.py), the CPU attention path (kernels/cpu_attention.py),
-  a verify queued layer by layer without timing it (`queues_layers`).
+  a verify queued layer by layer without timing it (`queues_layers`), and OpenBLAS's thread
+  count, timed per float32 target (models/queueing.py).
 A CPU trick asks `device_class() == "cpu"`, never "not Metal", so it never runs on a GPU.
 
 Queueing a pass whole is not a per-class choice: every device queues the drafter's pass

@@ -11,53 +11,121 @@ which MLX commits every 40-50 operations anyway). The drafter's pass follows the
   tokens built and evaluated both ways, interleaved, best of REPEATS each; by layer only where
   it measured faster, so it can never make a verify slower. Cached per model and machine beside
   the verify profile, shown by `dflash-mlx doctor -m MODEL`.
+
+Queued by layer on the CPU backend, Python builds while MLX's evaluation thread computes, and
+both share the cores with OpenBLAS's own threads. On a 2-core machine, OpenBLAS's second thread
+took the core Python needed: a tiny target's block round was 25-30% slower with it, and its
+time spread twice as wide (docs/host-time.md), while a compute-bound target's verify was 1.6x
+faster with it. So a float32 target (`blas_weights`) times the same verify, queued by layer as
+the CPU runs it, with OpenBLAS's threads as loaded and with one fewer (a core left to Python),
+and keeps one fewer only where it measured faster; cached and shown the same way. OpenBLAS's
+thread count is the process's: the target loaded last sets it (a CPU trick, engine/device.py).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
+from functools import partial
 
 import mlx.core as mx
 
+from .. import _blas
 from ..engine import device
 from ..engine.budget import profile_name, session_at
 from ..engine.contract import Pass
 from ..paths import read_profile, write_profile
+from .padding import blas_weights
 
 REPEATS = 5
 TOKENS, CONTEXT = 16, 256
 
 
-def measure(target, repeats: int = REPEATS) -> dict[str, float]:
-    """Seconds to build and evaluate one verify queued whole and by layer (the best of each)."""
+def time_ways(
+    target, ways: Mapping[str, Callable[[], object]], repeats: int, rounds: int = 0
+) -> dict[str, float]:
+    """Seconds to build and evaluate one verify after each way's setup (the best of each, the
+    ways interleaved; the first of them warms up). `rounds`: instead, that many rounds as a
+    block round runs them here: a 16-token pass queued whole (where the drafter's pass is)
+    while the verify is built, both read on the host."""
     session, ids = session_at(target, CONTEXT)
-    best = {"whole": float("inf"), "by_layer": float("inf")}
-    kept = target.queue_layers
-    try:
-        for i in range(2 * (repeats + 1)):  # interleaved; the first of each warms up
-            way = ("whole", "by_layer")[i % 2]
-            target.queue_layers = way == "by_layer"
-            t0 = time.perf_counter()
-            mx.eval(target.forward([Pass(ids[:TOKENS], session.cache, CONTEXT)])[0])
-            if i >= 2:
-                best[way] = min(best[way], time.perf_counter() - t0)
-            session.commit([])  # every cache back to the context
-    finally:
-        target.queue_layers = kept
+    beside = session_at(target, CONTEXT)[0] if rounds else None
+    best = {way: float("inf") for way in ways}
+    for i, way in enumerate(list(ways) * (repeats + 1)):
+        ways[way]()
+        t0 = time.perf_counter()
+        for _ in range(max(rounds, 1)):
+            drafted = []
+            if beside is not None:
+                drafted = target.forward([Pass(ids[:TOKENS], beside.cache, CONTEXT)])[0][0]
+                mx.async_eval(drafted)
+            logits, _ = target.forward([Pass(ids[:TOKENS], session.cache, CONTEXT)])[0]
+            device.read(logits, also=[drafted])
+            for s in (session, beside) if beside is not None else (session,):
+                s.commit([])  # every cache back to the context
+        if i >= len(ways):
+            best[way] = min(best[way], time.perf_counter() - t0)
     return best
 
 
-def choose(target, timer=measure) -> bool:
+def measure(target, repeats: int = REPEATS) -> dict[str, float]:
+    """A verify queued whole and by layer."""
+    kept = target.queue_layers
+    try:
+        return time_ways(target, {"whole": partial(setattr, target, "queue_layers", False),
+                                  "by_layer": partial(setattr, target, "queue_layers", True)},
+                         repeats)  # fmt: skip
+    finally:
+        target.queue_layers = kept
+
+
+def measure_threads(target, counts: tuple[int, ...], repeats: int = 3) -> dict[str, float]:
+    """Two block rounds as the CPU runs them (verify queued by layer) with OpenBLAS on each of
+    `counts` threads."""
+    kept, kept_queue = _blas.threads(), target.queue_layers
+    target.queue_layers = True
+    ways = {str(n): partial(_blas.set_threads, n) for n in counts}
+    try:
+        return time_ways(target, ways, repeats, rounds=2)
+    finally:
+        _blas.set_threads(kept)
+        target.queue_layers = kept_queue
+
+
+def choose(target, timer=measure, thread_timer=measure_threads) -> bool:
     """Whether `target` queues its verify (and its drafter's pass) layer by layer here: the
-    device class's choice on the CPU, the faster way measured once (then cached) on a GPU."""
+    device class's choice on the CPU (where OpenBLAS's threads are then chosen), the faster way
+    measured once (then cached) on a GPU."""
+    if device.on_cpu() and not target.world.sharded:
+        choose_threads(target, thread_timer)
     if device.on_cpu() or target.world.sharded:
         return device.queues_layers()
-    name = profile_name(target) + "-queue"  # beside the verify profile
-    times = read_profile(
-        name, lambda d: {"whole": float(d["whole"]), "by_layer": float(d["by_layer"])}
-    )
+    times = _measured(target, "-queue", ("whole", "by_layer"), timer)
+    target.queue_timings = times
+    return times["by_layer"] < times["whole"]
+
+
+def choose_threads(target, timer=measure_threads) -> int:
+    """OpenBLAS's threads for `target`'s forwards: as loaded, or one fewer where that measured
+    faster (float32 targets on OpenBLAS with several threads; the rest run it as loaded)."""
+    n = _blas.LOADED_THREADS
+    target.blas_timings = None
+    if n > 1 and blas_weights(target):
+        times = _measured(
+            target, "-blas-threads", (str(n), str(n - 1)), lambda t: timer(t, (n, n - 1))
+        )
+        target.blas_timings = times
+        n = n - 1 if times[str(n - 1)] < times[str(n)] else n
+    _blas.set_threads(n)
+    return n
+
+
+def _measured(target, suffix: str, ways: tuple[str, ...], timer) -> dict[str, float]:
+    """timer(target)'s seconds by way, measured once per model and machine (cached beside the
+    verify profile)."""
+    name = profile_name(target) + suffix
+    times = read_profile(name, lambda d: {way: float(d[way]) for way in ways})
     if times is None:
         times = timer(target)
         write_profile(name, times)
-    target.queue_timings = times
-    return times["by_layer"] < times["whole"]
+    return times

@@ -78,6 +78,7 @@ class Target:
         # (models/queueing.py): the CPU backend's choice until load_target measures a GPU's.
         self.queue_layers = device.queues_layers()
         self.queue_timings: dict[str, float] | None = None  # that measurement, for doctor
+        self.blas_timings: dict[str, float] | None = None  # OpenBLAS's threads, on the CPU
         self._draft_heads: dict[bytes, tuple[mx.array, mx.array]] = {}  # draft_head_rows'
         self.folder: Path | None = None  # where it was loaded from (load_target)
         self.set_taps(tap_ids)
