@@ -157,27 +157,56 @@ def _output(attn, out, gate, rows: int | None = None) -> mx.array:
 
 def _project(attn, spec: AttentionSpec, x):
     """q, k, v (token-major, per head) and the output gate of the standard families."""
-    T = x.shape[1]
-    n_heads = getattr(attn, "n_heads", None) or attn.num_attention_heads
-    n_kv = getattr(attn, "n_kv_heads", None) or attn.num_key_value_heads
-    q = attn.q_proj(x).reshape(1, T, n_heads, -1)
+    T, fixed = x.shape[1], facts(attn)
+    q = attn.q_proj(x).reshape(1, T, fixed.n_heads, -1)
     gate = None
     if spec.gated:
         q, gate = mx.split(q, 2, axis=-1)
         gate = gate.reshape(1, T, -1)
     elif spec.gate_proj:
         gate = attn.gate_proj(x)
-    k = attn.k_proj(x).reshape(1, T, n_kv, -1)
-    v = attn.v_proj(x).reshape(1, T, n_kv, -1)
+    k = attn.k_proj(x).reshape(1, T, fixed.n_kv, -1)
+    v = attn.v_proj(x).reshape(1, T, fixed.n_kv, -1)
     if spec.scaleless_qk:
         q = mx.fast.rms_norm(q, None, attn.eps) * attn.qk_scale_factor
         k = mx.fast.rms_norm(k, None, attn.eps)
-    elif spec.qk_norm and module_attr(attn, "use_qk_norm", True):
+    elif spec.qk_norm and fixed.qk_norm:
         q, k = attn.q_norm(q), attn.k_norm(k)
-    value_scale = module_attr(attn, "value_scale")  # MiMo's attention_value_scale
-    if value_scale is not None:
-        v = v * value_scale
+    if fixed.value_scale is not None:  # MiMo's attention_value_scale
+        v = v * fixed.value_scale
     return q, k, v, gate
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What an attention module of mlx-lm's says once and for all, read at its first forward
+    (`facts`): each lookup costs a microsecond or two on an `nn.Module`, several a layer of
+    every forward, and these never change once the model is built (its weights may: the sink
+    logits are read from the module each time, by `sinks`, their attribute's name)."""
+
+    n_heads: int | None
+    n_kv: int | None
+    qk_norm: bool  # use_qk_norm (GLM's may be off)
+    value_scale: float | None
+    rope: bool  # use_rope (Muse Glimmer's full-attention layers have none)
+    scale: float | None  # gpt-oss names it sm_scale
+    sinks: str | None  # gpt-oss `sinks`, MiMo `attention_sink_bias`
+
+
+def facts(attn) -> Facts:
+    fixed = attn.__dict__.get("_dflash_facts")
+    if fixed is None:
+        scale = module_attr(attn, "scale")
+        fixed = attn.__dict__["_dflash_facts"] = Facts(
+            n_heads=module_attr(attn, "n_heads") or module_attr(attn, "num_attention_heads"),
+            n_kv=module_attr(attn, "n_kv_heads") or module_attr(attn, "num_key_value_heads"),
+            qk_norm=bool(module_attr(attn, "use_qk_norm", True)),
+            value_scale=module_attr(attn, "value_scale"),
+            rope=bool(module_attr(attn, "use_rope", True)),
+            scale=module_attr(attn, "sm_scale") if scale is None else scale,
+            sinks=next((n for n in ("sinks", "attention_sink_bias") if n in attn), None),
+        )
+    return fixed
 
 
 def module_attr(module, name: str, default=None):
@@ -194,13 +223,12 @@ def module_attr(module, name: str, default=None):
 
 def _sinks(attn):
     """Per-head sink logits (gpt-oss `sinks`, MiMo `attention_sink_bias`), or None."""
-    sinks = module_attr(attn, "sinks")
-    return sinks if sinks is not None else module_attr(attn, "attention_sink_bias")
+    name = facts(attn).sinks
+    return None if name is None else attn[name]
 
 
 def _scale(attn) -> float:
-    scale = getattr(attn, "scale", None)
-    return float(attn.sm_scale if scale is None else scale)  # gpt-oss names it sm_scale
+    return float(facts(attn).scale)  # type: ignore[arg-type]
 
 
 def _attend(attn, q, keys, values, start, positions, parents, masks, window, held_from):
@@ -218,7 +246,9 @@ def _attend(attn, q, keys, values, start, positions, parents, masks, window, hel
     plain = sinks is None and keys.shape[-1] == values.shape[-1]
     if parents is None:
         mask = "causal" if T > 1 else None
-        if plain and use_cpu_attention():
+        if "cpu_attention" not in masks:  # asked once a forward, not once a layer
+            masks["cpu_attention"] = use_cpu_attention()
+        if plain and masks["cpu_attention"]:
             return cpu_attention(q, keys, values, scale, mask, masks)
         return mx.fast.scaled_dot_product_attention(
             q, keys, values, scale=scale, mask=mask, sinks=sinks
@@ -270,7 +300,7 @@ def _quantized_sdpa(attn, q, keys, values, quant, parents, masks) -> mx.array:
 
 def _rotate(attn, q, k, start: int, positions):
     """(1, heads, T, D) q and k, rotated at their positions unless the layer has no RoPE."""
-    if not module_attr(attn, "use_rope", True):  # Muse Glimmer's full-attention layers: NoPE
+    if not facts(attn).rope:  # Muse Glimmer's full-attention layers: NoPE
         return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
     if positions is None:
         q = attn.rope(q.transpose(0, 2, 1, 3), offset=start)

@@ -73,7 +73,7 @@ def feed_forward(ffn, x: mx.array) -> mx.array:
     product's exponentials in numpy where MLX's CPU backend is slow at them (kernels/cpu_math.py:
     at a 16-token verify, most of the MLP's cost on x86)."""
     if type(ffn) in SWIGLU_MLPS and cpu_math.applies(
-        x.size // x.shape[-1] * ffn.gate_proj.weight.shape[0], x.dtype
+        x.size // x.shape[-1] * ffn["gate_proj"]["weight"].shape[0], x.dtype
     ):
         return ffn.down_proj(cpu_math.silu_mul(ffn.gate_proj(x), ffn.up_proj(x)))
     return ffn(x)
