@@ -158,15 +158,18 @@ def _output(attn, out, gate, rows: int | None = None) -> mx.array:
 def _project(attn, spec: AttentionSpec, x):
     """q, k, v (token-major, per head) and the output gate of the standard families."""
     T, fixed = x.shape[1], facts(attn)
-    q = attn.q_proj(x).reshape(1, T, fixed.n_heads, -1)
+    # (head counts read each time: mlx-lm's `shard` divides them among tensor-parallel ranks)
+    n_heads = getattr(attn, "n_heads", None) or attn.num_attention_heads
+    n_kv = getattr(attn, "n_kv_heads", None) or attn.num_key_value_heads
+    q = attn.q_proj(x).reshape(1, T, n_heads, -1)
     gate = None
     if spec.gated:
         q, gate = mx.split(q, 2, axis=-1)
         gate = gate.reshape(1, T, -1)
     elif spec.gate_proj:
         gate = attn.gate_proj(x)
-    k = attn.k_proj(x).reshape(1, T, fixed.n_kv, -1)
-    v = attn.v_proj(x).reshape(1, T, fixed.n_kv, -1)
+    k = attn.k_proj(x).reshape(1, T, n_kv, -1)
+    v = attn.v_proj(x).reshape(1, T, n_kv, -1)
     if spec.scaleless_qk:
         q = mx.fast.rms_norm(q, None, attn.eps) * attn.qk_scale_factor
         k = mx.fast.rms_norm(k, None, attn.eps)
@@ -180,12 +183,11 @@ def _project(attn, spec: AttentionSpec, x):
 @dataclass(frozen=True)
 class Facts:
     """What an attention module of mlx-lm's says once and for all, read at its first forward
-    (`facts`): each lookup costs a microsecond or two on an `nn.Module`, several a layer of
-    every forward, and these never change once the model is built (its weights may: the sink
-    logits are read from the module each time, by `sinks`, their attribute's name)."""
+    (`facts`): a lookup that misses costs a microsecond or two on an `nn.Module`, several a
+    layer of every forward, and these never change once the model is built (its weights and
+    head counts may, when it is sharded: those are read from the module each time; the sink
+    logits by `sinks`, their attribute's name)."""
 
-    n_heads: int | None
-    n_kv: int | None
     qk_norm: bool  # use_qk_norm (GLM's may be off)
     value_scale: float | None
     rope: bool  # use_rope (Muse Glimmer's full-attention layers have none)
@@ -198,8 +200,6 @@ def facts(attn) -> Facts:
     if fixed is None:
         scale = module_attr(attn, "scale")
         fixed = attn.__dict__["_dflash_facts"] = Facts(
-            n_heads=module_attr(attn, "n_heads") or module_attr(attn, "num_attention_heads"),
-            n_kv=module_attr(attn, "n_kv_heads") or module_attr(attn, "num_key_value_heads"),
             qk_norm=bool(module_attr(attn, "use_qk_norm", True)),
             value_scale=module_attr(attn, "value_scale"),
             rope=bool(module_attr(attn, "use_rope", True)),
