@@ -19,7 +19,8 @@ The CPU tricks are off (a Mac runs none of them), unless --cpu-tricks: numpy exp
 row padding, the CPU attention (grouped matmuls and a base-2 softmax: about 14 operations a layer
 where a Mac builds MLX's one fused attention), and queueing a verify layer by layer
 (models/queueing.py), which overlaps graph building with evaluation here, on cores the two then
-share.
+share. OpenBLAS's thread count stays as the target's load chose it (models/queueing.py): one
+fewer where that leaves Python a core, as a Mac's GPU never takes one from it.
 
     python scripts/overhead_case.py build models/overhead-case          # once, ~3 minutes
     python scripts/overhead_case.py build-dflash2 models/overhead-case2
