@@ -59,11 +59,12 @@ def load_openblas() -> str | None:
     global _lib, LOADED_THREADS
     try:
         _lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        return None
+    try:
         LOADED_THREADS = int(_lib.openblas_get_num_threads())
-    except (OSError, AttributeError):  # (an override without OpenBLAS's thread calls)
+    except AttributeError:  # a DFLASH_BLAS override without OpenBLAS's thread calls
         LOADED_THREADS = 0
-        if _lib is None:
-            return None
     loaded_blas = path
     return path
 

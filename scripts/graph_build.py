@@ -6,9 +6,9 @@ time every round pays.
     python scripts/graph_build.py [TARGET_FOLDER] [--tokens 16] [--fused-attention]
 
 TARGET_FOLDER defaults to the planted case's target (scripts/overhead_case.py build). The CPU
-tricks (numpy exponentials, row padding, queueing layer by layer) are off, as on a Mac; --fused-attention also takes
-MLX's fused attention instead of the CPU attention path (kernels/cpu_attention.py), as a Mac
-does.
+tricks (numpy exponentials, row padding, queueing layer by layer) are off, as on a Mac;
+--fused-attention also takes MLX's fused attention instead of the CPU attention path
+(DFLASH_MLX_CPU_ATTENTION=0, kernels/cpu_attention.py), as a Mac does.
 """
 
 # isort: skip_file
@@ -21,14 +21,13 @@ import time
 os.environ.setdefault("DFLASH_MLX_NUMPY_MATH", "0")
 os.environ.setdefault("DFLASH_MLX_ROW_PADDING", "0")
 
-import mlx_dflash  # noqa: F401  (loads OpenBLAS before mlx on Linux)
+import mlx_dflash  # (loads OpenBLAS before mlx on Linux)
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_dflash.engine.contract import Pass
-from mlx_dflash.models import attention, drafter
 from mlx_dflash.models.target import load_target
 
 
@@ -41,7 +40,7 @@ def main() -> None:
     ap.add_argument("--fused-attention", action="store_true")
     args = ap.parse_args()
     if args.fused_attention:
-        attention.use_cpu_attention = drafter.use_cpu_attention = lambda: False
+        mlx_dflash.SETTINGS.cpu_attention = "0"  # DFLASH_MLX_CPU_ATTENTION=0 (docs/settings.md)
     target = load_target(args.target)
     target.queue_layers = False  # no evaluation inside the timed build
     ours_cache, ref_cache = target.make_cache(), make_prompt_cache(target.model)

@@ -246,9 +246,7 @@ def _attend(attn, q, keys, values, start, positions, parents, masks, window, hel
     plain = sinks is None and keys.shape[-1] == values.shape[-1]
     if parents is None:
         mask = "causal" if T > 1 else None
-        if "cpu_attention" not in masks:  # asked once a forward, not once a layer
-            masks["cpu_attention"] = use_cpu_attention()
-        if plain and masks["cpu_attention"]:
+        if plain and use_cpu_attention():
             return cpu_attention(q, keys, values, scale, mask, masks)
         return mx.fast.scaled_dot_product_attention(
             q, keys, values, scale=scale, mask=mask, sinks=sinks

@@ -55,13 +55,13 @@ def time_ways(
         ways[way]()
         t0 = time.perf_counter()
         for _ in range(max(rounds, 1)):
-            drafted = []
+            drafted = []  # the pass in the drafter's place, queued while the verify is built
             if beside is not None:
-                drafted = target.forward([Pass(ids[:TOKENS], beside.cache, CONTEXT)])[0][0]
+                drafted = [target.forward([Pass(ids[:TOKENS], beside.cache, CONTEXT)])[0][0]]
                 mx.async_eval(drafted)
             logits, _ = target.forward([Pass(ids[:TOKENS], session.cache, CONTEXT)])[0]
-            device.read(logits, also=[drafted])
-            for s in (session, beside) if beside is not None else (session,):
+            device.read(logits, also=drafted)
+            for s in [session] + ([beside] if beside is not None else []):
                 s.commit([])  # every cache back to the context
         if i >= len(ways):
             best[way] = min(best[way], time.perf_counter() - t0)
