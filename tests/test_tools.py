@@ -431,18 +431,22 @@ def test_responses_function_call_streamed_then_continued(client, script):
 
 
 @pytest.mark.parametrize(
-    "extra, match",
+    "extra, match, param",
     [
-        ({"previous_response_id": "resp_gone"}, "not kept by this server"),
-        ({"tools": [{"type": "web_search"}]}, "only function tools"),
-        ({"input": [{"type": "image_generation_call"}]}, "not supported"),
-        ({"input": 3}, "'input' must be"),
+        ({"previous_response_id": "resp_gone"}, "not kept by this server", "previous_response_id"),
+        ({"previous_response_id": 3}, "must be a string", "previous_response_id"),
+        ({"tools": [{"type": "web_search"}]}, "only function tools", "tools"),
+        ({"input": [{"type": "image_generation_call"}]}, "not supported", "input"),
+        ({"input": 3}, "'input' must be", "input"),
     ],
 )
-def test_responses_bad_requests(client, extra, match):
+def test_responses_bad_requests(client, extra, match, param):
+    """One sentence, an invalid_request_error, naming the field at fault."""
     body = {"model": "tiny", "input": "hi", "max_output_tokens": 2, **extra}
-    with pytest.raises(openai.BadRequestError, match=match):
+    with pytest.raises(openai.BadRequestError, match=match) as err:
         client.responses.create(**body)
+    error = err.value.body
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
 
 
 # ---- keep-alive --------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 def answer(h: Handler, req: P.Request, job: Job) -> None:
     a = collect(h, job)
     if a.error is not None:
-        return h.error(P.APIError(500, a.error, "api_error"))
+        return h.error(P.APIError(500, a.error, type="api_error"))
     if a.done is None:
         return
     done = a.done
@@ -78,7 +78,7 @@ def stream(h: Handler, req: P.Request, job: Job) -> None:
                 for piece in P.fragments(fn["arguments"]):
                     blocks.delta({"type": "input_json_delta", "partial_json": piece})
         elif isinstance(ev, Failed):
-            h.sse(P.APIError(500, ev.message, "api_error").body(anthropic=True), "error")
+            h.sse(P.APIError(500, ev.message, type="api_error").body(anthropic=True), "error")
             return
         elif isinstance(ev, Done):
             _finish(h, blocks, ev)

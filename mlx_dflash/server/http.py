@@ -191,7 +191,9 @@ class Handler(BaseHTTPRequestHandler):
                 },
             )
         if not self._authorized():
-            return self.error(P.APIError(401, "Missing or wrong API key.", "authentication_error"))
+            return self.error(
+                P.APIError(401, "Missing or wrong API key.", type="authentication_error")
+            )
         if path == "/metrics":
             data = self.app.metrics.render()
             self.send_response(200)
@@ -208,7 +210,7 @@ class Handler(BaseHTTPRequestHandler):
             except P.APIError as e:
                 return self.error(e)
             return self.send_json(200, self._model_card())
-        self.error(P.APIError(404, f"No route for GET {path}.", "not_found_error"))
+        self.error(P.APIError(404, f"No route for GET {path}.", type="not_found_error"))
 
     def _model_card(self) -> dict:
         return {
@@ -228,9 +230,9 @@ class Handler(BaseHTTPRequestHandler):
     def _post(self, path: str) -> None:
         try:
             if path not in POST_KINDS:
-                raise P.APIError(404, f"No route for POST {path}.", "not_found_error")
+                raise P.APIError(404, f"No route for POST {path}.", type="not_found_error")
             if not self._authorized():
-                raise P.APIError(401, "Missing or wrong API key.", "authentication_error")
+                raise P.APIError(401, "Missing or wrong API key.", type="authentication_error")
             body = self._body()
             kind = POST_KINDS[path]
             req = PARSE[kind](body) if kind in PARSE else P.parse_request(kind, body)

@@ -17,68 +17,56 @@ if TYPE_CHECKING:
 def answer(h: Handler, req: P.Request, job: Job) -> None:
     a = collect(h, job)
     if a.error is not None:
-        return h.error(P.APIError(500, a.error, "server_error"))
+        return h.error(P.APIError(500, a.error, type="server_error"))
     if a.done is None:  # the client left
         return
-    done, name = a.done, h.app.config.model_name
-    use = P.usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
+    done, chat = a.done, req.kind == "chat"
     lps = a.logprobs if req.logprobs is not None else None
-    if req.kind == "chat":
+    if chat:
         thinking = a.reasoning if job.thinking is not None else None
-        body = chat_response(P.new_id("chatcmpl"), name, a.content, thinking, done.finish, use,
-                               done.stats, a.calls, lps)  # fmt: skip
+        choices = choice("message", chat_message(a.content, thinking, a.calls), done.finish, lps)
     else:
-        body = completion_response(
-            P.new_id("cmpl"), name, a.content, done.finish, use, done.stats, lps
-        )
+        choices = choice("text", a.content, done.finish, lps)
+    use = P.usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
+    body = envelope(P.new_id("chatcmpl" if chat else "cmpl"), h.app.config.model_name,
+                    "chat.completion" if chat else "text_completion", choices,
+                    usage=use, dflash=done.stats)  # fmt: skip
     h.send_json(200, body)
 
 
 def stream(h: Handler, req: P.Request, job: Job) -> None:
     name, chat = h.app.config.model_name, req.kind == "chat"
     rid = P.new_id("chatcmpl" if chat else "cmpl")
+    obj, key = ("chat.completion.chunk", "delta") if chat else ("text_completion", "text")
+    empty: Any = {} if chat else ""  # a chunk with nothing new: chat's delta, or the text
+
+    def send(piece, finish=None, logprobs=None, **rest) -> None:
+        h.sse(envelope(rid, name, obj, choice(key, piece, finish, logprobs), **rest))
+
     h.start_sse()
     if chat:
-        h.sse(chat_chunk(rid, name, {"role": "assistant", "content": ""}))
+        send({"role": "assistant", "content": ""})
     n_calls = 0
     for ev in h.events(job):
         if isinstance(ev, Logprobs):
-            entries = token_entries(h.app.tokenizer, ev.logprobs, ev.tokens)
-            if chat:
-                h.sse(chat_chunk(rid, name, {}, logprobs=entries))
-            else:
-                h.sse(completion_chunk(rid, name, "", logprobs=entries))
+            send(empty, logprobs=token_entries(h.app.tokenizer, ev.logprobs, ev.tokens))
         elif isinstance(ev, Text):
-            if chat:
-                delta = {}
-                if ev.reasoning:
-                    delta["reasoning_content"] = ev.reasoning
-                if ev.content:
-                    delta["content"] = ev.content
-                h.sse(chat_chunk(rid, name, delta))
-            else:
-                h.sse(completion_chunk(rid, name, ev.content))
-        elif isinstance(ev, ToolCalls):
+            pairs = (("reasoning_content", ev.reasoning), ("content", ev.content))
+            send({k: v for k, v in pairs if v} if chat else ev.content)
+        elif isinstance(ev, ToolCalls):  # chat only: completions have no tools
             for call in ev.calls:
                 for delta in tool_call_deltas(call, n_calls):
-                    h.sse(chat_chunk(rid, name, {"tool_calls": [delta]}))
+                    send({"tool_calls": [delta]})
                 n_calls += 1
         elif isinstance(ev, Failed):
-            h.sse(P.APIError(500, ev.message, "server_error").body())
+            h.sse(P.APIError(500, ev.message, type="server_error").body())
             break
         elif isinstance(ev, Done):
-            _finish(h, req, rid, name, chat, ev)
+            send(empty, ev.finish, dflash=ev.stats)  # only the last chunk carries the stats
+            if req.include_usage:
+                use = P.usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)
+                h.sse(envelope(rid, name, obj, [], usage=use))
     h.sse("[DONE]")
-
-
-def _finish(h: Handler, req: P.Request, rid: str, name: str, chat: bool, done: Done) -> None:
-    if chat:
-        h.sse(chat_chunk(rid, name, {}, done.finish, done.stats))
-    else:
-        h.sse(completion_chunk(rid, name, "", done.finish, done.stats))
-    if req.include_usage:
-        use = P.usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
-        h.sse(usage_chunk(rid, name, req.kind, use))
 
 
 # ---- bodies ----------------------------------------------------------------------------
@@ -118,78 +106,16 @@ def tool_call_deltas(call: dict, index: int) -> list[dict]:
     return [first, *rest]
 
 
-def chat_response(
-    rid, model, content, reasoning, finish, use, stats, calls=None, logprobs=None
-) -> dict:
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": P.now(),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": chat_message(content, reasoning, calls),
-                "finish_reason": finish,
-                "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
-            }
-        ],
-        "usage": use,
-        "dflash": stats,
-    }
+def envelope(rid, model, obj: str, choices: list[dict], **rest) -> dict:
+    """The frame of every body and chunk; `rest` (usage, dflash) follows the choices."""
+    return {"id": rid, "object": obj, "created": P.now(), "model": model, "choices": choices,
+            **rest}  # fmt: skip
 
 
-def chat_chunk(rid, model, delta: dict, finish=None, stats=None, logprobs=None) -> dict:
-    lp = None if logprobs is None else {"content": logprobs, "refusal": None}
-    out = {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": P.now(),
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}],
-    }
-    if stats is not None:
-        out["dflash"] = stats
-    return out
-
-
-def completion_response(rid, model, text, finish, use, stats, logprobs=None) -> dict:
-    lp = None if logprobs is None else completion_logprobs(logprobs)
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": P.now(),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": lp}],
-        "usage": use,
-        "dflash": stats,
-    }
-
-
-def completion_chunk(rid, model, text, finish=None, stats=None, logprobs=None) -> dict:
-    lp = None if logprobs is None else completion_logprobs(logprobs)
-    out = {
-        "id": rid,
-        "object": "text_completion",
-        "created": P.now(),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": lp}],
-    }
-    if stats is not None:
-        out["dflash"] = stats
-    return out
-
-
-def usage_chunk(rid, model, kind: str, use: dict) -> dict:
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    return {
-        "id": rid,
-        "object": obj,
-        "created": P.now(),
-        "model": model,
-        "choices": [],
-        "usage": use,
-    }
-
-
-# Anthropic messages: the same core, another envelope.
+def choice(key: str, value, finish=None, logprobs=None) -> list[dict]:
+    """The one choice: chat's `message` or `delta`, or a completion's `text`, with the
+    logprobs entries in that API's shape."""
+    if logprobs is not None:
+        chat = key != "text"
+        logprobs = {"content": logprobs, "refusal": None} if chat else completion_logprobs(logprobs)
+    return [{"index": 0, key: value, "finish_reason": finish, "logprobs": logprobs}]

@@ -82,24 +82,25 @@ def _get(body: dict, name: str, types: tuple, default=None, check=None, what: st
     return v
 
 
-def _text(content: Any, where: str) -> str:
-    """Message content: a string, or a list of text parts (images are not supported)."""
+def _text(content: Any, where: str, kinds: tuple = ("text", str), param: str | None = None) -> str:
+    """Message content: a string, or a list of parts whose type is one of `kinds` (`str`: a bare
+    string), read as text; images and the rest are not supported."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         out = []
         for part in content:
-            if isinstance(part, dict) and part.get("type") == "text":
-                out.append(str(part.get("text", "")))
-            elif isinstance(part, str):
-                out.append(part)
-            else:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise APIError(400, f"{where}: content parts of type '{kind}' are not supported.")
+            kind = part.get("type") if isinstance(part, dict) else type(part)
+            if kind not in kinds:
+                name = kind.__name__ if isinstance(kind, type) else kind
+                raise APIError(400, f"{where}: content parts of type '{name}' are not supported.",
+                               param=param)  # fmt: skip
+            out.append(part if isinstance(part, str) else str(part.get("text", "")))
         return "".join(out)
     if content is None:
         return ""
-    raise APIError(400, f"{where}: 'content' must be a string or a list of text parts.")
+    raise APIError(400, f"{where}: 'content' must be a string or a list of text parts.",
+                   param=param)  # fmt: skip
 
 
 def _messages(body: dict, anthropic: bool = False) -> list[dict[str, Any]]:

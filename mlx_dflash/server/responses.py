@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any
 
 from . import protocol as P
@@ -21,21 +20,7 @@ from .structured import response_format, strict_names
 KEPT = 64  # responses remembered for previous_response_id
 
 
-def _content(content: Any, where: str) -> str:
-    """A message's content: a string, or input_text / output_text parts."""
-    if isinstance(content, list):
-        parts = []
-        for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind in ("input_text", "output_text", "text"):
-                parts.append(str(part.get("text", "")))
-            else:
-                raise P.APIError(
-                    400, f"{where}.content[{j}]: parts of type '{kind}' are not supported.",
-                    param="input",
-                )  # fmt: skip
-        return "".join(parts)
-    return P._text(content, where)
+TEXT_PARTS = ("input_text", "output_text", "text")  # the content parts read as text
 
 
 def input_messages(body: dict) -> list[dict[str, Any]]:
@@ -54,7 +39,8 @@ def input_messages(body: dict) -> list[dict[str, Any]]:
             role = "system" if role == "developer" else role
             if role not in ("system", "user", "assistant"):
                 raise P.APIError(400, f"{where} has an unknown role '{role}'.", param="input")
-            out.append({"role": role, "content": _content(item.get("content"), where)})
+            content = P._text(item.get("content"), where, TEXT_PARTS, param="input")
+            out.append({"role": role, "content": content})
         elif kind == "function_call":
             call = P._call_in({"id": item.get("call_id"), "function": {
                 "name": item.get("name"), "arguments": item.get("arguments")}}, where)  # fmt: skip
@@ -64,14 +50,15 @@ def input_messages(body: dict) -> list[dict[str, Any]]:
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
-            output = item.get("output")
-            text = output if isinstance(output, str) else _content(output, where)
+            text = P._text(item.get("output"), where, TEXT_PARTS, param="input")
             out.append({"role": "tool", "tool_call_id": str(item.get("call_id") or ""),
                         "content": text})  # fmt: skip
         elif kind == "reasoning":
             continue  # the model's earlier thinking is not sent back to templates
         else:
-            raise P.APIError(400, f"{where}: items of type '{kind}' are not supported.", "input")
+            raise P.APIError(
+                400, f"{where}: items of type '{kind}' are not supported.", param="input"
+            )
     if not out:
         raise P.APIError(400, "'input' holds no messages.", param="input")
     return out
@@ -114,7 +101,9 @@ def parse_responses(body: dict) -> P.Request:
     req.system = instructions or None
     prev = body.get("previous_response_id")
     if prev is not None and not isinstance(prev, str):
-        raise P.APIError(400, "'previous_response_id' must be a string.", "previous_response_id")
+        raise P.APIError(
+            400, "'previous_response_id' must be a string.", param="previous_response_id"
+        )
     req.previous = prev
     req.grammar = response_format(body, "responses")
     req.strict = strict_names(body, anthropic=True)  # Responses tools are flat, as Anthropic's
@@ -150,27 +139,20 @@ class ResponseStore:
 # ---- output ----------------------------------------------------------------------------------
 
 
-@dataclass
-class Output:
-    """The output items of one response as they grow (streamed or not)."""
+def message_item() -> dict[str, Any]:
+    return {"type": "message", "id": P.new_id("msg"), "status": "in_progress",
+            "role": "assistant", "content": []}  # fmt: skip
 
-    items: list[dict[str, Any]] = field(default_factory=list)
 
-    @staticmethod
-    def text_item() -> dict[str, Any]:
-        return {"type": "message", "id": P.new_id("msg"), "status": "in_progress",
-                "role": "assistant", "content": []}  # fmt: skip
+def reasoning_item() -> dict[str, Any]:
+    return {"type": "reasoning", "id": P.new_id("rs"), "summary": [], "content": [],
+            "status": "in_progress"}  # fmt: skip
 
-    @staticmethod
-    def reasoning_item() -> dict[str, Any]:
-        return {"type": "reasoning", "id": P.new_id("rs"), "summary": [], "content": [],
-                "status": "in_progress"}  # fmt: skip
 
-    @staticmethod
-    def call_item(call: dict) -> dict[str, Any]:
-        fn = call["function"]
-        return {"type": "function_call", "id": P.new_id("fc"), "call_id": call["id"],
-                "name": fn["name"], "arguments": fn["arguments"], "status": "completed"}  # fmt: skip
+def call_item(call: dict) -> dict[str, Any]:
+    fn = call["function"]
+    return {"type": "function_call", "id": P.new_id("fc"), "call_id": call["id"],
+            "name": fn["name"], "arguments": fn["arguments"], "status": "completed"}  # fmt: skip
 
 
 def response_body(rid, model, req: P.Request, items, done, status: str) -> dict[str, Any]:
@@ -264,7 +246,7 @@ class EventStream:
         item = self.open
         if item is None or item["type"] != kind:
             self.close()
-            item = self.open = Output.text_item() if kind == "message" else Output.reasoning_item()
+            item = self.open = message_item() if kind == "message" else reasoning_item()
             at = self._add(item)
             part = {"type": "output_text", "text": "", "annotations": []}
             if kind == "reasoning":
@@ -306,7 +288,7 @@ class EventStream:
 
     def call(self, call: dict) -> None:
         self.close()
-        item = Output.call_item(call)
+        item = call_item(call)
         args, item["arguments"], item["status"] = item["arguments"], "", "in_progress"
         at = self._add(dict(item))
         for piece in P.fragments(args):

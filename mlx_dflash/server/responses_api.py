@@ -19,12 +19,19 @@ if TYPE_CHECKING:
 def answer(h: Handler, req: P.Request, job: Job) -> None:
     a = collect(h, job)
     if a.error is not None:
-        return h.error(P.APIError(500, a.error, "server_error"))
+        return h.error(P.APIError(500, a.error, type="server_error"))
     if a.done is None:
         return
-    rid, items = P.new_id("resp"), _items(a.content, a.reasoning, a.calls)
-    body = R.response_body(rid, h.app.config.model_name, req, items, a.done, "completed")
-    h.app.responses.keep(rid, list(req.messages or []) + R.as_messages(items))
+    rid = P.new_id("resp")
+    out = R.EventStream(lambda *_: None, rid, h.app.config.model_name, req)  # no events sent
+    if a.reasoning:
+        out.reasoning(a.reasoning)
+    if a.content or not a.calls:  # a message item, even empty, unless only calls came
+        out.text(a.content)
+    for call in a.calls:
+        out.call(call)
+    body = out.finish(a.done)
+    h.app.responses.keep(rid, list(req.messages or []) + R.as_messages(body["output"]))
     h.send_json(200, body)
 
 
@@ -47,19 +54,4 @@ def stream(h: Handler, req: P.Request, job: Job) -> None:
             return
         elif isinstance(ev, Done):
             body = out.finish(ev)
-            messages = list(req.messages or []) + R.as_messages(body["output"])
-            h.app.responses.keep(rid, messages)
-
-
-def _items(content: str, reasoning: str, calls: list[dict]) -> list[dict]:
-    items = []
-    if reasoning:
-        item = R.Output.reasoning_item()
-        item.update(status="completed", content=[{"type": "reasoning_text", "text": reasoning}])
-        items.append(item)
-    if content or not calls:
-        item = R.Output.text_item()
-        item.update(status="completed")
-        item["content"].append({"type": "output_text", "text": content, "annotations": []})
-        items.append(item)
-    return items + [R.Output.call_item(c) for c in calls]
+            h.app.responses.keep(rid, list(req.messages or []) + R.as_messages(body["output"]))
