@@ -25,17 +25,12 @@ from ..progress import progress
 from .read import (
     INDEX_FILE,
     check_drafter_weights,
-    check_pair,
-    check_sidecars,
     is_drafter_config,
     load_safetensors,
-    load_weights,
     quantizable_base,
     read_config,
-    strip_model_prefix,
-    text_config,
+    resolve_drafter,
     weight_files,
-    with_target_vocab,
 )
 
 DTYPES = ("float16", "bfloat16", "float32")
@@ -145,14 +140,6 @@ def resolve_source(source: str | Path, kind: str = "auto") -> Path:
     return _from_hub(_snapshot_download, str(source))
 
 
-def _check_out(source: Path, out: Path, force: bool) -> None:
-    if (out.exists() or out.is_symlink()) and not force:
-        raise DFlashError(f"The output folder {out} already exists; pass --force to replace it.")
-    src, dst = source.resolve(), out.resolve()
-    if dst == src or dst in src.parents:
-        raise DFlashError(f"The output folder {out} must not be the source folder or contain it.")
-
-
 # --------------------------------------------------------------------------------------------
 # Writing
 
@@ -245,15 +232,20 @@ def quantize_drafter_weights(weights: dict[str, Any], group_size: int, bits: int
     return out
 
 
-def _cast(weights: dict[str, Any], dtype: str | None) -> dict[str, Any]:
+def _cast(tree: Any, dtype: str | None, keep=lambda _: True) -> Any:
+    """Weights (a flat dict, or a model's parameters) with every floating one whose name `keep`
+    accepts cast to `dtype`; all unchanged without a dtype."""
     import mlx.core as mx
+    from mlx.utils import tree_map_with_path
 
     if dtype is None:
-        return weights
+        return tree
     dt = getattr(mx, dtype)
-    return {
-        k: v.astype(dt) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()
-    }
+
+    def cast(k, v):
+        return v.astype(dt) if keep(k) and mx.issubdtype(v.dtype, mx.floating) else v
+
+    return tree_map_with_path(cast, tree)
 
 
 def convert_drafter(
@@ -272,23 +264,11 @@ def convert_drafter(
     from ..models.drafter import read_draft_vocab, write_draft_vocab
 
     raw = read_config(source, "drafter")
-    check_sidecars(source)
-    target_cfg = None
-    n_target = None
-    if target is not None:
-        target_cfg = read_config(Path(target), "target")
-        n_target = text_config(target_cfg).get("num_hidden_layers")
-    cfg = DrafterConfig.from_dict(raw, num_target_layers=n_target)
-    if target_cfg is not None:
-        check_pair(cfg, target_cfg)
-        cfg = with_target_vocab(cfg, target_cfg)
-
     source_quant = raw.get("quantization")
     if quantize and source_quant:
         raise DFlashError(f"The drafter in {source} is already quantized.")
-    _check_readable(source)
-    weights = strip_model_prefix(load_weights(source))
-    check_drafter_weights(cfg, weights, source_quant)
+    target_cfg = None if target is None else read_config(Path(target), "target")
+    cfg, weights = resolve_drafter(source, raw, target_cfg)
     vocab = read_draft_vocab(source, cfg.vocab_size)  # checked before anything is written
 
     dtype = _pick_dtype(dtype, raw)
@@ -343,8 +323,7 @@ def convert_target(
     dequantize: bool = False,
 ) -> dict[str, Any]:
     """Load with mlx-lm, cast and quantize as mlx_lm.convert does, and write into `out`."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_map_with_path
+    from mlx.utils import tree_flatten
     from mlx_lm.utils import quantize_model, save_config
 
     from ..models.families import architecture
@@ -369,13 +348,8 @@ def convert_target(
         config.pop("quantization_config", None)
     dtype = _pick_dtype(dtype, config)
     if dtype is not None:
-        dt = getattr(mx, dtype)
         keep = getattr(model, "cast_predicate", lambda _: True)
-
-        def cast(k, v):
-            return v.astype(dt) if keep(k) and mx.issubdtype(v.dtype, mx.floating) else v
-
-        model.update(tree_map_with_path(cast, model.parameters()))
+        model.update(_cast(model.parameters(), dtype, keep))
 
     if quantize:
         if "quantization" in config:
@@ -439,7 +413,8 @@ def convert(
     if dtype is not None:
         dtype = _pick_dtype(dtype.value if isinstance(dtype, Enum) else dtype, {})
     src = resolve_source(source, kind)
-    _check_out(src, out, force)
+    if out.resolve() in (src.resolve(), *src.resolve().parents):
+        raise DFlashError(f"The output folder {out} must not be the source folder or contain it.")
     kind = detect_kind(read_config(src), kind)
     if kind == "target" and target is not None:
         raise DFlashError("--target only applies when converting a drafter.")

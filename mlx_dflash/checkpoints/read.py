@@ -365,6 +365,17 @@ def read_drafter(
             f"{DRAFTER_ARCHITECTURE} nor {DRAFTER2_ARCHITECTURE}); pass a drafter folder to "
             "--drafter."
         )
+    return resolve_drafter(folder, raw, target_cfg, num_target_layers)
+
+
+def resolve_drafter(
+    folder: Path,
+    raw: dict[str, Any],
+    target_cfg: dict[str, Any] | None = None,
+    num_target_layers: int | None = None,
+) -> tuple[DrafterConfig, dict[str, mx.array]]:
+    """`read_drafter` once the folder's config.json (`raw`) is read, taken as a drafter's
+    whatever its architectures say (`convert --kind drafter` takes any)."""
     check_sidecars(folder)
     n_target = num_target_layers
     if target_cfg is not None:

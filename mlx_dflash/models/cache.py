@@ -61,15 +61,16 @@ class KVCache:
         self.offset = max(0, min(self.offset, length))
 
     def compact(self, start: int, keep: mx.array | list[int]) -> None:
-        """Keep rows start+keep[i] (increasing), moved to start+i; drop the rest of the window."""
-        k_buf, v_buf = self.keys, self.values
-        if k_buf is None or v_buf is None:
+        """Keep rows start+keep[i] (increasing), moved to start+i; drop the rest of the window.
+        (Every array of `state_arrays` holds a row per position: QuantizedKVCache's too.)"""
+        buffers = self.state_arrays
+        if not buffers:
             return
         keep = mx.array(keep, dtype=mx.int32) if not isinstance(keep, mx.array) else keep
         n = keep.shape[0]
         rows = start + keep
-        k_buf[..., start : start + n, :] = k_buf[..., rows, :]
-        v_buf[..., start : start + n, :] = v_buf[..., rows, :]
+        for a in buffers:
+            a[..., start : start + n, :] = a[..., rows, :]
         self.offset = start + n
 
     @property
@@ -98,106 +99,52 @@ class WindowedKVCache(KVCache):
     newest `window` positions are ever attended to, so older rows are dropped, amortised (the
     buffer is cut once it holds `window` rows too many), and memory stays bounded.
 
-    Rows are held for absolute positions [dropped, end). A verify starting at `end` only needs
-    rows from end - window + 1 on, and a rewind never goes before the verify's start, so
-    dropping before an append is always safe. A later turn rewinds to where its prompt leaves
-    the cached tokens, which is near the end (the new prompt carries the answer); a rewind to
-    a point whose window is gone returns 0 (`rewind_point`), so the prompt is computed again
-    rather than read wrong.
+    Rows are held for positions [0, keep) (none here; RotatingKVCache's sinks) and
+    [dropped, end). A verify starting at `end` only needs rows from end - window + 1 on, and a
+    rewind never goes before the verify's start, so dropping before an append is always safe.
+    A later turn rewinds to where its prompt leaves the cached tokens, which is near the end
+    (the new prompt carries the answer); a rewind to a point whose window is gone returns 0
+    (`rewind_point`), so the prompt is computed again rather than read wrong.
     """
+
+    keep = 0  # the first positions, always held
 
     def __init__(self, window: int) -> None:
         super().__init__()
         self.window = int(window)
-        self.dropped = 0
-
-    @property
-    def end(self) -> int:
-        return self.dropped + self.offset
-
-    def append(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Write new rows after `end`; return the rows held (positions dropped..end)."""
-        self._drop()
-        return super().append(keys, values)
-
-    def _drop(self) -> None:
-        cut = self.end - self.window + 1 - self.dropped
-        if cut < self.window or self.keys is None or self.values is None:
-            return
-        self.keys = mx.contiguous(self.keys[..., cut : self.offset, :])
-        self.values = mx.contiguous(self.values[..., cut : self.offset, :])
-        self.dropped += cut
-        self.offset -= cut
-
-    def rewind_point(self, length: int) -> int:
-        """`length` while its window is still held, else 0 (compute it again)."""
-        return length if length - self.window + 1 >= self.dropped or not self.dropped else 0
-
-    def trim(self, length: int) -> None:
-        """Keep the positions before `length` (absolute); before the held rows: start over."""
-        if length < self.dropped:
-            self.keys = self.values = None
-            self.dropped = self.offset = 0
-        else:
-            self.offset = max(0, min(self.offset, length - self.dropped))
-
-    def compact(self, start: int, keep: mx.array | list[int]) -> None:
-        super().compact(start - self.dropped, keep)
-
-
-class RotatingKVCache(KVCache):
-    """mlx-lm's --max-kv-size (its RotatingKVCache, keep=4): at most `max_size` positions of
-    keys and values, the first `keep` ("attention sinks") always among them, under verify and
-    rewind.
-
-    Rows are held for positions [0, keep) and [dropped, end): the sinks, then a window that
-    is cut, amortised, to what the next forward can see. What a query sees is mlx-lm's
-    (`rotating_mask`): a one-token step at position p sees the sinks and the newest
-    max_size - keep positions up to p, and every row of a verify stands for such a step; a
-    prompt chunk sees what mlx-lm's concatenated buffer shows it, a window of max_size over
-    the buffer's order."""
-
-    def __init__(self, max_size: int, keep: int = 4) -> None:
-        super().__init__()
-        if max_size <= keep:
-            raise DFlashError(f"--max-kv-size must be more than {keep}, not {max_size}.")
-        self.max_size, self.keep = int(max_size), int(keep)
-        self.dropped = self.keep  # the first position held after the sinks
-
-    @property
-    def window(self) -> int:
-        return self.max_size - self.keep
+        self.dropped = self.keep  # the first position held after those
 
     @property
     def end(self) -> int:
         return self.offset + self.dropped - self.keep
 
     def append(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write new rows after `end`; return the rows held (the first `keep`, dropped..end)."""
         self._drop()
         return super().append(keys, values)
-
-    def positions(self) -> mx.array:
-        """The position of every row held before this forward's (sinks, then the window)."""
-        if self.dropped == self.keep:
-            return mx.arange(self.offset)
-        return mx.concatenate([mx.arange(self.keep), mx.arange(self.dropped, self.end)])
 
     def _drop(self) -> None:
         cut = self.end - self.window + 1 - self.dropped  # positions no query will see
         if cut < self.window or self.keys is None or self.values is None:
             return
         k, a, b = self.keep, self.keep + cut, self.offset
-        self.keys = mx.concatenate([self.keys[..., :k, :], self.keys[..., a:b, :]], axis=2)
-        self.values = mx.concatenate([self.values[..., :k, :], self.values[..., a:b, :]], axis=2)
+
+        def held(x: mx.array) -> mx.array:
+            if not k:
+                return mx.contiguous(x[..., a:b, :])
+            return mx.concatenate([x[..., :k, :], x[..., a:b, :]], axis=2)
+
+        self.keys, self.values = held(self.keys), held(self.values)
         self.dropped += cut
         self.offset -= cut
 
     def rewind_point(self, length: int) -> int:
-        """`length` while what a forward from there sees is held, else 0 (run it again)."""
+        """`length` while what a forward from there sees is held, else 0 (compute it again)."""
         ok = self.dropped == self.keep or length - self.window + 1 >= self.dropped
         return length if ok else 0
 
     def trim(self, length: int) -> None:
+        """Keep the positions before `length` (absolute); before the held rows: start over."""
         if length < self.dropped and self.dropped > self.keep:
             self.keys = self.values = None
             self.dropped, self.offset = self.keep, 0
@@ -206,6 +153,32 @@ class RotatingKVCache(KVCache):
 
     def compact(self, start: int, keep: mx.array | list[int]) -> None:
         super().compact(start - (self.dropped - self.keep), keep)
+
+
+class RotatingKVCache(WindowedKVCache):
+    """mlx-lm's --max-kv-size (its RotatingKVCache, keep=4): at most `max_size` positions of
+    keys and values, the first `keep` ("attention sinks") always among them, under verify and
+    rewind.
+
+    Rows are held for positions [0, keep) and [dropped, end): the sinks, then a window of
+    max_size - keep that is cut, amortised, to what the next forward can see. What a query
+    sees is mlx-lm's (`rotating_mask`): a one-token step at position p sees the sinks and the
+    newest max_size - keep positions up to p, and every row of a verify stands for such a
+    step; a prompt chunk sees what mlx-lm's concatenated buffer shows it, a window of max_size
+    over the buffer's order: a WindowedKVCache with sinks, that models/attention.py tells
+    apart first, to mask as mlx-lm does."""
+
+    def __init__(self, max_size: int, keep: int = 4) -> None:
+        if max_size <= keep:
+            raise DFlashError(f"--max-kv-size must be more than {keep}, not {max_size}.")
+        self.max_size, self.keep = int(max_size), int(keep)
+        super().__init__(self.max_size - self.keep)
+
+    def positions(self) -> mx.array:
+        """The position of every row held before this forward's (sinks, then the window)."""
+        if self.dropped == self.keep:
+            return mx.arange(self.offset)
+        return mx.concatenate([mx.arange(self.keep), mx.arange(self.dropped, self.end)])
 
     def saved(self) -> tuple[dict[str, mx.array], dict]:
         arrays, meta = super().saved()
@@ -328,18 +301,6 @@ class QuantizedKVCache(KVCache):
 
     def extend(self, keys, values):
         raise NotImplementedError("a target's cache is never extended")
-
-    def compact(self, start: int, keep: mx.array | list[int]) -> None:
-        if self.packed is None:
-            super().compact(start, keep)
-            return
-        keep = mx.array(keep, dtype=mx.int32) if not isinstance(keep, mx.array) else keep
-        n = keep.shape[0]
-        rows = start + keep
-        for buf in self.packed:
-            for a in buf:
-                a[..., start : start + n, :] = a[..., rows, :]
-        self.offset = start + n
 
     @property
     def state_arrays(self) -> list[mx.array]:
