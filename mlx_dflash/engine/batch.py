@@ -158,29 +158,22 @@ class Batcher:
         from .budget import split_budget
 
         self.allots += 1
-        try:
+
+        def budgets() -> list[int]:
             policies = [s.p.policy for s in batch]
             gains = [s.p.policy.gains(s.p.tree) for s in batch]
             # The passes already waiting: plain steps and blocks emit about a token each.
             base = sum(int(s.p.tokens.shape[0]) for s in self._pending)
             overhead = float(np.mean([p.overhead for p in policies]))
-            budgets = split_budget(gains, base, len(self._pending), overhead, policies[0].profile)
-            for slot, b in zip(batch, budgets, strict=True):
-                slot.result = int(b)
-        except Exception as e:  # every row waiting on it hears of it, in its own round
-            for slot in batch:
-                slot.error = e
+            split = split_budget(gains, base, len(self._pending), overhead, policies[0].profile)
+            return [int(b) for b in split]
+
+        _serve(batch, budgets)
 
     def _run_drafts(self, batch: list[_Slot]) -> None:
         self.drafts += 1
         self.draft_rows += len(batch)
-        try:
-            results = batch[0].p.drafter.propose_together([s.p for s in batch])
-            for slot, result in zip(batch, results, strict=True):
-                slot.result = result
-        except Exception as e:  # every row of the pass hears of it, in its own round
-            for slot in batch:
-                slot.error = e
+        _serve(batch, lambda: batch[0].p.drafter.propose_together([s.p for s in batch]))
 
     def others_tokens(self) -> float:
         """Tokens a row's pass has lately shared its packed forward with (the auto budget
@@ -219,18 +212,27 @@ class Batcher:
         a = 0.25 if self.forwards > 1 else 1.0
         self._tokens_ema += a * (tokens - self._tokens_ema)
         self._rows_ema += a * (len(batch) - self._rows_ema)
-        try:
+
+        def forward() -> list:
             if len(batch) == 1:  # alone: exactly the forward of an unbatched generation
-                results = [self._alone(batch[0].p)]
-            else:
-                for slot in batch:
-                    self._adopt(slot)
-                results = self.target.forward([s.p for s in batch])
-            for slot, result in zip(batch, results, strict=True):
-                slot.result = result
-        except Exception as e:  # every row of the batch hears of it, in its own round
+                return [self._alone(batch[0].p)]
             for slot in batch:
-                slot.error = e
+                self._adopt(slot)
+            return self.target.forward([s.p for s in batch])
+
+        _serve(batch, forward)
+
+
+def _serve(batch: list[_Slot], compute: Callable[[], list]) -> None:
+    """Each slot's result from compute(), slot by slot; where it raises, every row waiting on
+    it hears of the error, in its own round."""
+    try:
+        results = compute()
+        for slot, result in zip(batch, results, strict=True):
+            slot.result = result
+    except Exception as e:
+        for slot in batch:
+            slot.error = e
 
 
 class BatchedTarget:

@@ -304,17 +304,8 @@ class FixedBudget:
     def record_plain(self, seconds: float, tokens: int = 1, size: int = 1) -> None:
         pass
 
-    def record_tree(
-        self,
-        tree: Tree,
-        n_drafted: int,
-        path: list[int],
-        emitted: int,
-        overhead: float,
-        t: float,
-        t_draft: float = 0.0,
-    ) -> None:
-        pass
+    def record_tree(self, *round_facts: object, **named: object) -> None:
+        """Nothing to learn: a fixed budget never changes."""
 
 
 class AutoBudget:
