@@ -125,12 +125,25 @@ def compile_grammar(spec: GrammarSpec, tokenizer: Any, vocab_size: int, stop_ids
     lt = _ll_tokenizer(tokenizer, vocab_size, tuple(sorted(stop_ids)))
     text = _grammar_text(spec)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, lt)
-    if is_error:
-        raise DFlashError(f"The grammar cannot be compiled: {messages[0]}")
-    matcher = llguidance.LLMatcher(lt, text, log_level=0)
-    if matcher.is_error():
-        raise DFlashError(f"The grammar cannot be compiled: {matcher.get_error()}")
+    matcher = None if is_error else llguidance.LLMatcher(lt, text, log_level=0)
+    if matcher is None or matcher.is_error():
+        reason = _one_line(messages[0] if matcher is None else matcher.get_error(), spec.kind)
+        raise DFlashError(f"The grammar cannot be compiled: {reason}")
     return Grammar(matcher, vocab_size, stop_ids)
+
+
+def _one_line(message: str, kind: str) -> str:
+    """llguidance's reason as one sentence: its first line, completed by the `error:` line
+    under a regex parse error, without the source it draws beneath; the position (`at 1(8):`)
+    only where it points into the user's own text (a Lark grammar, not the one made of a
+    regex or a schema)."""
+    lines = [line.strip() for line in message.strip().splitlines()] or ["no reason given"]
+    first = lines[0]
+    if first.endswith(":"):
+        first += " " + next((x[6:].strip() for x in lines if x.startswith("error:")), "")
+    if kind != "lark" and first.startswith("at ") and "): " in first:
+        first = first.split("): ", 1)[1]
+    return first.rstrip(". ") + "."
 
 
 class Grammar:
