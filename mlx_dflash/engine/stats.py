@@ -4,7 +4,7 @@ the round-by-round lengths, and where the time went."""
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from .session import Round
 
@@ -33,13 +33,22 @@ class Stats:
     t_grammar: float = 0.0
 
     def merge(self, other: Stats) -> None:
-        """Add another generation's totals (a chat session's running stats): every count and
-        time adds, the rounds' taus extend, the peak memory is the larger; `finish` stays."""
-        for f in fields(self):
-            if f.name != "finish":
-                mine, theirs = getattr(self, f.name), getattr(other, f.name)
-                merged = max(mine, theirs) if f.name == "peak_memory" else mine + theirs
-                setattr(self, f.name, merged)
+        """Add another generation's totals (a chat session's running stats)."""
+        self.prompt_tokens += other.prompt_tokens
+        self.t_prefill += other.t_prefill
+        self.tokens += other.tokens
+        self.t_draft += other.t_draft
+        self.t_verify += other.t_verify
+        self.t_other += other.t_other
+        self.t_build += other.t_build
+        self.taus += other.taus
+        self.tau_total += other.tau_total
+        self.draft_rounds += other.draft_rounds
+        self.grammar_pruned += other.grammar_pruned
+        self.grammar_drafts += other.grammar_drafts
+        self.grammar_drafts_accepted += other.grammar_drafts_accepted
+        self.t_grammar += other.t_grammar
+        self.peak_memory = max(self.peak_memory, other.peak_memory)
 
     def add(self, r: Round) -> None:
         if r.prefill:
