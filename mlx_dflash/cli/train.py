@@ -3,7 +3,6 @@ itself (the work is mlx_dflash.training; recipes in training/README.md)."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,13 +12,13 @@ import typer
 from ..benchmark.datasets import eval_sets
 from ..checkpoints.read import check_pair
 from ..errors import DFlashError
-from ..models.drafter import init_drafter, load_drafter, reshape_drafter, to_dflash2
+from ..models.drafter import dflash2_config, init_drafter, load_drafter, reshape_drafter, to_dflash2
+from ..progress import progress
 from ..training.checkpoint import load_checkpoint, saved_seen_tokens
-from ..training.data import encode, load_records
+from ..training.data import answer_prompts, done_ids, encode, load_records
 from ..training.trainer import (
     TrainConfig,
     Trainer,
-    answer,
     load_training_target,
     new_drafter_config,
     prepare_prompts,
@@ -27,20 +26,11 @@ from ..training.trainer import (
 from .options import panel
 
 
-def _parse_ints(s: str | None) -> list[int] | None:
-    if not s:
-        return None
+def _parse_numbers(s: str, kind: type = float, what: str = "numbers") -> list:
     try:
-        return [int(x) for x in s.split(",") if x.strip()]
+        return [kind(x) for x in s.split(",") if x.strip()]
     except ValueError:
-        raise DFlashError(f"Expected comma-separated integers, not '{s}'.") from None
-
-
-def _parse_floats(s: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in s.split(",") if x.strip())
-    except ValueError:
-        raise DFlashError(f"Expected comma-separated numbers, not '{s}'.") from None
+        raise DFlashError(f"Expected comma-separated {what}, not '{s}'.") from None
 
 
 # The command's options, one constant each, so its signature reads one line per option.
@@ -255,7 +245,9 @@ def _check_flags(a: SimpleNamespace) -> None:
 
 
 def _answer_prompts(target, drafter, prompts: list[str], a: SimpleNamespace) -> Path:
-    """The target's answers to `prompts` in OUT/answers.jsonl (with --no-gen: already there)."""
+    """The target's answers to `prompts` in OUT/answers.jsonl, with a progress bar: those not
+    yet there are answered (with --no-gen, all must be), keeping the taps the drafter reads
+    where they fit (see `answer_prompts`)."""
     shard = a.out / "answers.jsonl"
     if not a.gen:
         if not shard.exists():
@@ -264,9 +256,21 @@ def _answer_prompts(target, drafter, prompts: list[str], a: SimpleNamespace) -> 
     keep = a.cache_taps
     if keep is None:
         keep = _taps_fit(drafter, target, len(prompts) * (a.gen_max_tokens + 128))
-    tap_ids = drafter.cfg.target_layer_ids if keep else None
-    temps = _parse_floats(a.gen_temps)
-    answer(target, prompts, shard, temps, a.gen_max_tokens, a.gen_batch, a.seed, tap_ids)
+    temps = _parse_numbers(a.gen_temps)
+    done = len(done_ids(shard) & set(range(len(prompts))))
+    with progress(info=True, show=True, transient=False) as bar:
+        task = bar.add_task("answer", total=len(prompts), completed=done, info="")
+        answer_prompts(
+            target,
+            prompts,
+            shard,
+            temps=temps,
+            max_tokens=a.gen_max_tokens,
+            batch=a.gen_batch,
+            seed=a.seed,
+            on_batch=lambda k: bar.advance(task, k),
+            tap_ids=drafter.cfg.target_layer_ids if keep else None,
+        )
     return shard
 
 
@@ -300,17 +304,13 @@ def _starting_drafter(target, a: SimpleNamespace):
         if a.arch == "dflash2" and c.kind == "dflash":
             drafter = to_dflash2(drafter, a.selector_rank, a.selector_top_k, seed=a.seed)
         return drafter, None, 0, False, 0
+    taps = _parse_numbers(a.taps, int, "integers") if a.taps else None
     dcfg = new_drafter_config(
-        target, a.layers or 2, _parse_ints(a.taps), a.block_size or 16, a.mask_token_id, a.heads,
-        a.window, a.intermediate_size,
+        target, a.layers or 2, taps, a.block_size or 16, a.mask_token_id, a.heads, a.window,
+        a.intermediate_size,
     )  # fmt: skip
     if a.arch == "dflash2":
-        dcfg = dataclasses.replace(dcfg, conv_kernel_size=2, conv_group_size=16,
-                                   selector_rank=a.selector_rank, selector_top_k=a.selector_top_k)  # fmt: skip
-        if dcfg.hidden_size % 16:
-            raise DFlashError(
-                f"DFlash 2 needs a hidden size divisible by 16, not {dcfg.hidden_size}."
-            )
+        dcfg = dflash2_config(dcfg, a.selector_rank, a.selector_top_k)
     return init_drafter(dcfg, seed=a.seed), None, 0, True, 0
 
 

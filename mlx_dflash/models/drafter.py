@@ -67,31 +67,52 @@ class DrafterAttention(nn.Module):
         if cfg.attention_sink_bias:
             self.attention_sink_bias = mx.zeros((self.n_heads,))
 
-    def project_kv(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
-        """K/V of x (1, L, H) at positions offset.., shaped (1, n_kv, L, d)."""
-        L = x.shape[1]
-        k = self.k_norm(self.k_proj(x).reshape(1, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(1, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    def _rope(self, t: mx.array, offset: int | mx.array) -> mx.array:
+        """Heads t (B, heads, L, d) at positions offset.. (an int), or with B = 1, each token at
+        its own position (an array of L: packed blocks, a token a batch row)."""
+        if isinstance(offset, mx.array):
+            return self.rope(t.transpose(2, 1, 0, 3), offset=offset).transpose(2, 1, 0, 3)
+        return self.rope(t, offset=offset)
+
+    def project_kv(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array]:
+        """K/V of x (B, L, H) at positions `offset` (see _rope), shaped (B, n_kv, L, d)."""
+        k = split_heads(x, self.k_proj, self.n_kv_heads, self.k_norm)
+        v = split_heads(x, self.v_proj, self.n_kv_heads)
         if self.value_scale is not None:
             v = v * self.value_scale
-        return self.rope(k, offset=offset), v
+        return self._rope(k, offset), v
 
-    def __call__(self, x, cache: ContextCache, start: int, mask) -> mx.array:
-        """The block x (1, L, H) at positions start.. over the layer's cached context plus
-        itself. The block's K/V go into the cache's buffer after the context (no copy of the
+    def __call__(self, x, caches: list[ContextCache], offset: int | mx.array, masks) -> mx.array:
+        """The blocks packed in x (1, R * bs, H) at positions `offset` (see _rope), q/k/v
+        projected once: block r over the layer's cached context in caches[r] plus itself, under
+        masks[r]. A block's K/V go into its cache's buffer after the context (no copy of the
         context, which grows with the text) and are not kept: the next append overwrites them."""
-        L = x.shape[1]
-        q = self.q_norm(self.q_proj(x).reshape(1, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        q = self.rope(q, offset=start)
-        keys, values = cache.extend(*self.project_kv(x, start))
+        L, R = x.shape[1], len(caches)
+        bs = L // R
+        q = self._rope(split_heads(x, self.q_proj, self.n_heads, self.q_norm), offset)
+        k, v = self.project_kv(x, offset)
         sinks = module_attr(self, "attention_sink_bias")
-        if sinks is None and keys.shape[-1] == values.shape[-1] and use_cpu_attention():
-            out = cpu_attention(q, keys, values, self.scale, mask)  # as the target's: exp is slow
-        else:
-            out = mx.fast.scaled_dot_product_attention(
-                q, keys, values, scale=self.scale, mask=mask, sinks=sinks
-            )
+        # A block alone takes the CPU attention where it can (as the target's: exp is slow);
+        # packed blocks, MLX's.
+        cpu = R == 1 and sinks is None and k.shape[-1] == v.shape[-1] and use_cpu_attention()
+        outs = []
+        for r, (cache, mask) in enumerate(zip(caches, masks, strict=True)):
+            rows = slice(r * bs, (r + 1) * bs)
+            q_r, (keys, values) = q[:, :, rows], cache.extend(k[:, :, rows], v[:, :, rows])
+            if cpu:
+                outs.append(cpu_attention(q_r, keys, values, self.scale, mask))
+            else:
+                outs.append(mx.fast.scaled_dot_product_attention(
+                    q_r, keys, values, scale=self.scale, mask=mask, sinks=sinks))  # fmt: skip
+        out = outs[0] if R == 1 else mx.concatenate(outs, axis=2)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, L, -1))
+
+
+def split_heads(x: mx.array, proj, n: int, norm=None) -> mx.array:
+    """proj(x) of x (B, L, H) as n heads (B, n, L, d), each normed by `norm` when given."""
+    B, L, _ = x.shape
+    y = proj(x).reshape(B, L, n, -1)
+    return (y if norm is None else norm(y)).transpose(0, 2, 1, 3)
 
 
 class DrafterMLP(nn.Module):
@@ -220,19 +241,13 @@ class DFlashDrafter(nn.Module):
         queued as it is built, as the target's verify is (models/queueing.py)."""
         h, R = embeds[None], len(starts)
         bs = h.shape[1] // R
-        positions = None
+        offset: int | mx.array = starts[0]  # one block: RoPE at its start; packed, per token
         if R > 1:
-            positions = mx.array(np.concatenate([s + np.arange(bs) for s in starts]), mx.int32)
+            offset = mx.array(np.concatenate([s + np.arange(bs) for s in starts]), mx.int32)
         for i, layer in enumerate(self.layers):
-            if R == 1:
-                c, s = caches[0][i], starts[0]
-                mask = self.block_mask(i, s, c.visible, bs)
-                attend = partial(layer.self_attn, cache=c, start=s, mask=mask)
-            else:
-                attend = partial(_packed_attention, self, i, layer.self_attn,
-                                 caches=[c[i] for c in caches], starts=starts,
-                                 positions=positions)  # fmt: skip
-            h = layer(h, attend, R)
+            cs = [c[i] for c in caches]
+            masks = [self.block_mask(i, s, c.visible, bs) for c, s in zip(cs, starts, strict=True)]
+            h = layer(h, partial(layer.self_attn, caches=cs, offset=offset, masks=masks), R)
             if queue:
                 mx.async_eval(h)
         return self.norm(h)[0]
@@ -335,16 +350,15 @@ def propose_rows(runners: list, requests: list[tuple[int, int, int]]) -> list[Pr
     drafter, cfg = first.drafter, first.cfg
     if any(r.drafter is not drafter or r.target is not first.target for r in runners):
         return [propose_rows([r], [q])[0] for r, q in zip(runners, requests, strict=True)]
-    bs = cfg.block_size
-    embeds = []
-    for r, (last, start, _) in zip(runners, requests, strict=True):
+    bs, starts = cfg.block_size, [start for _, start, _ in requests]
+    for r, start in zip(runners, starts, strict=True):
         assert start == r.context_len, "drafter context out of sync with the target"
-        block = mx.array([last] + [cfg.mask_token_id] * (bs - 1))
-        e = r.target.token_embeddings(block)
-        embeds.append(e if cfg.input_embedding_scale is None else e * cfg.input_embedding_scale)
+    blocks = mx.array([[last] + [cfg.mask_token_id] * (bs - 1) for last, _, _ in requests])
+    embed = first.target.token_embeddings(blocks.reshape(-1))
+    if cfg.input_embedding_scale is not None:
+        embed = embed * cfg.input_embedding_scale
     caches = [r.cache for r in runners]  # (pending taps projected first)
-    embed = embeds[0] if len(embeds) == 1 else mx.concatenate(embeds)
-    h = drafter(embed, caches, [start for _, start, _ in requests], first.target.queue_layers)
+    h = drafter(embed, caches, starts, first.target.queue_layers)
     picks = [h[k * bs + 1 : k * bs + 1 + n] for k, (_, _, n) in enumerate(requests)]
     logits = first.logits(picks[0] if len(picks) == 1 else mx.concatenate(picks))
     out: list[Proposal] = []
@@ -357,31 +371,6 @@ def propose_rows(runners: list, requests: list[tuple[int, int, int]]) -> list[Pr
         else:
             out.append(Marginals(rows))
     return out
-
-
-def _packed_attention(drafter, i: int, attn, x, *, caches, starts, positions) -> mx.array:
-    """Layer i's attention over the packed blocks x (1, R * bs, H): q/k/v projected once, then
-    each row's block over its own context, with its own mask."""
-    L, bs = x.shape[1], drafter.cfg.block_size
-
-    def rope(t):  # (1, L, heads, d) -> (1, heads, L, d), each token at its own position
-        return attn.rope(t.transpose(1, 2, 0, 3), offset=positions).transpose(2, 1, 0, 3)
-
-    q = rope(attn.q_norm(attn.q_proj(x).reshape(1, L, attn.n_heads, -1)))
-    k = rope(attn.k_norm(attn.k_proj(x).reshape(1, L, attn.n_kv_heads, -1)))
-    v = attn.v_proj(x).reshape(1, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    if attn.value_scale is not None:
-        v = v * attn.value_scale
-    sinks = module_attr(attn, "attention_sink_bias")
-    outs = []
-    for r, (cache, start) in enumerate(zip(caches, starts, strict=True)):
-        a, b = r * bs, (r + 1) * bs
-        mask = drafter.block_mask(i, start, cache.visible, bs)
-        keys, values = cache.extend(k[:, :, a:b], v[:, :, a:b])
-        outs.append(mx.fast.scaled_dot_product_attention(
-            q[:, :, a:b], keys, values, scale=attn.scale, mask=mask, sinks=sinks))  # fmt: skip
-    out = mx.concatenate(outs, axis=2).transpose(0, 2, 1, 3).reshape(1, L, -1)
-    return attn.o_proj(out)
 
 
 def drafter_logits(
@@ -499,6 +488,18 @@ def _identity_convs(layers) -> None:
             conv.kernel_projection.weight = mx.zeros_like(conv.kernel_projection.weight)
 
 
+def dflash2_config(
+    cfg: DrafterConfig, rank: int = 32, top_k: int = 16, kernel_size: int = 2, group_size: int = 16
+) -> DrafterConfig:
+    """`cfg` with DFlash 2's dynamic convolutions and candidate selector (`--arch dflash2`)."""
+    if cfg.hidden_size % group_size:
+        raise DFlashError(
+            f"DFlash 2 needs a hidden size divisible by {group_size}, not {cfg.hidden_size}."
+        )
+    return dataclasses.replace(cfg, conv_kernel_size=kernel_size, conv_group_size=group_size,
+                               selector_rank=rank, selector_top_k=top_k)  # fmt: skip
+
+
 def to_dflash2(
     drafter: DFlashDrafter,
     rank: int = 32,
@@ -513,18 +514,7 @@ def to_dflash2(
     codebooks start random so that their gradient is not zero once the projection moves)."""
     if drafter.cfg.kind == "dflash2":
         raise DFlashError("The drafter to start from is DFlash 2 already.")
-    cfg = dataclasses.replace(
-        drafter.cfg,
-        conv_kernel_size=kernel_size,
-        conv_group_size=group_size,
-        selector_rank=rank,
-        selector_top_k=top_k,
-    )
-    if cfg.hidden_size % group_size:
-        raise DFlashError(
-            f"The drafter's hidden size {cfg.hidden_size} is not a multiple of the "
-            f"convolution group size {group_size}."
-        )
+    cfg = dflash2_config(drafter.cfg, rank, top_k, kernel_size, group_size)
     grown = init_drafter(cfg, seed=seed)
     old = cast(list[tuple[str, mx.array]], nn.utils.tree_flatten(drafter.parameters()))
     grown.load_weights(old, strict=False)
@@ -552,14 +542,11 @@ def reshape_drafter(
     cfg = drafter.cfg
     n, width = cfg.num_hidden_layers, cfg.intermediate_size
     wide = intermediate_size or width
-    if layers < n:
-        raise DFlashError(
-            f"--layers {layers}: the drafter to start from has {n}; it can only grow."
-        )
-    if wide < width:
-        raise DFlashError(
-            f"--intermediate-size {wide}: the drafter to start from has {width}; it can only grow."
-        )
+    for flag, new_size, old_size in (("--layers", layers, n), ("--intermediate-size", wide, width)):
+        if new_size < old_size:
+            raise DFlashError(
+                f"{flag} {new_size}: the drafter to start from has {old_size}; it can only grow."
+            )
     new_cfg = dataclasses.replace(
         cfg,
         num_hidden_layers=layers,

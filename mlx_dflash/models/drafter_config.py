@@ -215,13 +215,15 @@ class DrafterConfig:
         """ "dflash2" or "dflash": which drafter generation this is (doctor and --json say)."""
         return "dflash2" if self.selector_top_k else "dflash"
 
+    @property
+    def architecture(self) -> str:
+        return DRAFTER2_ARCHITECTURE if self.kind == "dflash2" else DRAFTER_ARCHITECTURE
+
     def describe(self) -> dict[str, Any]:
         """What runs, for `doctor` and `--json`: the drafter generation and its shape."""
         out: dict[str, Any] = {
             "kind": self.kind,
-            "architecture": DRAFTER2_ARCHITECTURE
-            if self.kind == "dflash2"
-            else DRAFTER_ARCHITECTURE,
+            "architecture": self.architecture,
             "layers": self.num_hidden_layers,
             "block_size": self.block_size,
             "taps": list(self.target_layer_ids),
@@ -350,8 +352,7 @@ class DrafterConfig:
             del d["v_head_dim"]
         if d["partial_rotary_factor"] == 1.0:
             del d["partial_rotary_factor"]
-        arch = DRAFTER2_ARCHITECTURE if self.kind == "dflash2" else DRAFTER_ARCHITECTURE
-        out = {"architectures": [arch], "model_type": "qwen3", **d}
+        out = {"architectures": [self.architecture], "model_type": "qwen3", **d}
         if is_causal is not None:  # top level, where the published configs and z-lab read it
             out["is_causal"] = is_causal
         out["block_size"] = dflash["block_size"]

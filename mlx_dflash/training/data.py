@@ -18,25 +18,14 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import DFlashError
-from ..prompt_files import read_prompt_file
 from ..prompts import encode_prompt, stop_ids
 from .forward import top_logprobs
 from .tapstore import SOFT_IDS, SOFT_LOGP, SOFT_TOP_K, TapStore, record_key
 
 
-def read_prompts(paths: Iterable[str | Path]) -> list[str]:
-    """Prompt strings from prompt files (prompt_files.py: the first known text field of each
-    record, or a chat record's first turn)."""
-    return [p for path in paths for p in read_prompt_file(path)]
-
-
 def encode(tokenizer, prompt: str) -> list[int]:
     """Through the chat template when the target has one, else BOS + text (as generate does)."""
     return encode_prompt(tokenizer, prompt)
-
-
-def eos_ids(tokenizer) -> set[int]:
-    return set(stop_ids(tokenizer))
 
 
 def _pick(logits: mx.array, temps: mx.array) -> mx.array:
@@ -52,7 +41,7 @@ def batch_generate(
     prompts: list[list[int]],
     temps: list[float],
     max_tokens: int,
-    stop: set[int],
+    stop: Iterable[int],
     tapper: TapRecorder | None = None,
 ) -> list[list[int]]:
     """Answer left-padded prompts together with mlx-lm's BatchKVCache; each stops at its EOS.
@@ -201,7 +190,7 @@ def answer_prompts(
     skip = done_ids(shard)
     todo = [i for i in range(len(prompts)) if i not in skip]
     tok = target.tokenizer
-    stop = eos_ids(tok)
+    stop = stop_ids(tok)
     mx.random.seed(seed + len(skip))
     encoded = {i: encode(tok, prompts[i]) for i in todo}
     # Similar lengths together: less padding.
@@ -247,7 +236,7 @@ def story_prompts(target, n: int, seed: int = 0, batch: int = 64, max_words: int
     out: list[str] = []
     while len(out) < n:
         b = min(batch, n - len(out))
-        stories = batch_generate(target.model, [[bos]] * b, [1.0] * b, 4 * max_words, eos_ids(tok))
+        stories = batch_generate(target.model, [[bos]] * b, [1.0] * b, 4 * max_words, stop_ids(tok))
         for s in stories:
             words = tok.decode(s).split()
             if len(words) >= 2:

@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import DFlashError
-from ..models.drafter import DFlashDrafter, drafter_logits
+from ..models.drafter import DFlashDrafter, drafter_logits, split_heads
 from ..models.drafter_config import DrafterConfig
 
 
@@ -73,19 +73,11 @@ def context_masks(cfg: DrafterConfig, anchors: mx.array, T: int) -> dict:
     return masks
 
 
-def _heads(x: mx.array, proj, norm, n: int) -> mx.array:
-    """(B, L, H) -> (B, n, L, d), with the per-head norm when given."""
-    B, L, _ = x.shape
-    y = proj(x).reshape(B, L, n, -1)
-    if norm is not None:
-        y = norm(y)
-    return y.transpose(0, 2, 1, 3)
-
-
-def _per_block(x: mx.array, m: int, bs: int) -> mx.array:
-    """(B, n, m*bs, d) -> (B*m, n, bs, d): one block per batch row."""
-    B, n, _, d = x.shape
-    return x.reshape(B, n, m, bs, d).transpose(0, 2, 1, 3, 4).reshape(B * m, n, bs, d)
+def _per_block(x: mx.array, m: int, bs: int, proj, n: int, norm=None) -> mx.array:
+    """x (B, m*bs, H) as heads (`split_heads`), one block per batch row: (B*m, n, bs, d)."""
+    y = split_heads(x, proj, n, norm)
+    B, _, _, d = y.shape
+    return y.reshape(B, n, m, bs, d).transpose(0, 2, 1, 3, 4).reshape(B * m, n, bs, d)
 
 
 def block_attention(a, q, ck, cv, bk, bv, masks) -> mx.array:
@@ -137,16 +129,15 @@ def drafter_blocks(
     for i, layer in enumerate(drafter.layers):
         a = layer.self_attn
         conv = getattr(layer, "attention_conv", None)  # DFlash 2
-        x, d = _prepare(conv, layer.input_layernorm(h), m, bs)
-        q = a.rope(_per_block(_heads(x, a.q_proj, a.q_norm, a.n_heads), m, bs), offset=offsets)
-        bk = a.rope(_per_block(_heads(x, a.k_proj, a.k_norm, a.n_kv_heads), m, bs), offset=offsets)
-        bv = _per_block(_heads(x, a.v_proj, None, a.n_kv_heads), m, bs)
-        ck = a.rope(_heads(c, a.k_proj, a.k_norm, a.n_kv_heads), offset=0)
-        cv = _heads(c, a.v_proj, None, a.n_kv_heads)
+        x, d = _prepare(conv, layer.input_layernorm(h), bs)
+        q = a.rope(_per_block(x, m, bs, a.q_proj, a.n_heads, a.q_norm), offset=offsets)
+        bk = a.rope(_per_block(x, m, bs, a.k_proj, a.n_kv_heads, a.k_norm), offset=offsets)
+        bv = _per_block(x, m, bs, a.v_proj, a.n_kv_heads)
+        ck, cv = a.project_kv(c, 0)  # (no value scale: check_trainable)
         key = (cfg.layer_is_causal(i), cfg.layer_window(i))
         h = h + _finish(conv, a.o_proj(block_attention(a, q, ck, cv, bk, bv, masks[key])), d)
         conv = getattr(layer, "mlp_conv", None)
-        x, d = _prepare(conv, layer.post_attention_layernorm(h), m, bs)
+        x, d = _prepare(conv, layer.post_attention_layernorm(h), bs)
         h = h + _finish(conv, layer.mlp(x), d)
     return drafter.norm(h).reshape(B, m, bs, -1)
 
@@ -161,22 +152,20 @@ def check_trainable(cfg: DrafterConfig) -> None:
         )
 
 
-def _prepare(conv, x: mx.array, m: int, bs: int):
+def _prepare(conv, x: mx.array, bs: int):
     """A DFlash 2 layer's convolution before its sublayer, over each block's own positions
     (B, m*bs, H); without a convolution (DFlash 1) x as is."""
     if conv is None:
         return x, None
-    B = x.shape[0]
-    y, d = conv.prepare(x.reshape(B * m, bs, -1))
-    return y.reshape(x.shape), (d, m, bs)
+    y, d = conv.prepare(x.reshape(-1, bs, x.shape[-1]))
+    return y.reshape(x.shape), d
 
 
 def _finish(conv, y: mx.array, d):
+    """The convolution after the sublayer, over the blocks `_prepare` cut (d: (B*m, bs, ...))."""
     if conv is None:
         return y
-    coeffs, m, bs = d
-    B = y.shape[0]
-    return conv.finish(y.reshape(B * m, bs, -1), coeffs).reshape(y.shape)
+    return conv.finish(y.reshape(*d.shape[:2], -1), d).reshape(y.shape)
 
 
 def slot_weights(bs: int, gamma: float) -> mx.array:

@@ -26,10 +26,11 @@ from ..models.drafter_config import DRAFTER_ARCHITECTURE, DrafterConfig, default
 from ..models.target import load_target
 from ..paths import DEFAULT_TARGET
 from ..progress import progress
+from ..prompt_files import read_prompt_file
 from ..prompts import stop_ids
 from .batches import cache_all_taps, loss_vocabulary, make_batch, tap_scale, usable
 from .checkpoint import CURVE_FILE, save_checkpoint
-from .data import answer_prompts, done_ids, eos_ids, read_prompts, story_prompts
+from .data import story_prompts
 from .forward import block_loss, metrics
 from .tapstore import soft_targets
 
@@ -112,7 +113,7 @@ def new_drafter_config(
 def pick_mask_token(target) -> int:
     """A token the target should never emit: unk or pad when they are not an end token."""
     tok = target.tokenizer
-    stops = eos_ids(tok)
+    stops = stop_ids(tok)
     for name in ("unk_token_id", "pad_token_id"):
         tid = getattr(tok, name, None)
         if tid is not None and tid not in stops and 0 <= tid < target.vocab_size:
@@ -176,23 +177,20 @@ class Trainer:
     fresh: bool = False  # a new random drafter: its fc init is drawn in the preconditioned space
 
     def __post_init__(self):
+        cfg = self.cfg
         self.target.set_taps(self.drafter.cfg.target_layer_ids)
-        self.records = usable(self.records, self.cfg.max_len)
+        self.records = usable(self.records, cfg.max_len)
         if not self.records:
             raise DFlashError("No training record has a response of at least two tokens.")
-        if self.cfg.loss_vocab not in ("full", "corpus"):
-            raise DFlashError(f"--loss-vocab is 'full' or 'corpus', not '{self.cfg.loss_vocab}'.")
+        if cfg.loss_vocab not in ("full", "corpus"):
+            raise DFlashError(f"--loss-vocab is 'full' or 'corpus', not '{cfg.loss_vocab}'.")
         self.taps = None
-        if self.cfg.cache_taps:
+        if cfg.cache_taps:
             self.taps = cache_all_taps(
-                self.target,
-                self.records,
-                self.cfg.max_len,
-                out=self.out,
-                with_soft=self.cfg.kl_weight > 0,
+                self.target, self.records, cfg.max_len, out=self.out, with_soft=cfg.kl_weight > 0
             )
         self.soft = None
-        if self.cfg.kl_weight > 0:
+        if cfg.kl_weight > 0:
             if self.out is None:
                 raise DFlashError("Distillation (--kl-weight) reads soft targets from --out.")
             self.soft = soft_targets(self.records, self.out, self.target.tap_ids)
@@ -202,17 +200,17 @@ class Trainer:
                     "the taps (--cache-taps); these answers have none."
                 )
         self.vocab = None
-        if self.cfg.loss_vocab == "corpus":
-            self.vocab = loss_vocabulary(self.records, self.cfg.max_len)
+        if cfg.loss_vocab == "corpus":
+            self.vocab = loss_vocabulary(self.records, cfg.max_len)
             self.others = np.setdiff1d(np.arange(self.target.vocab_size), self.vocab)
         # Trained to rank only these tokens, it drafts only these (cheaper LM head at inference).
         self.drafter.draft_vocab = self.vocab
         self.scale = None
-        if self.cfg.precondition:
+        if cfg.precondition:
             self.scale = tap_scale(self.taps or self._first_batch_taps())
             if self.fresh:
                 self.drafter.fc.weight = self.drafter.fc.weight * self.scale
-        self.opt = make_optimizer(self.cfg)
+        self.opt = make_optimizer(cfg)
         if self.opt_state is not None:
             self.opt.state = self.opt_state
         self._grad = nn.value_and_grad(self.drafter, self._loss)
@@ -264,13 +262,6 @@ class Trainer:
             return None
         return eval_tau(self.drafter, self.target, self.eval_prompts, self.cfg.eval_tokens)
 
-    def evaluate_sets(self) -> dict[str, dict]:
-        """Mean tau on each named set (see `eval_sets`)."""
-        return {
-            name: eval_tau(self.drafter, self.target, prompts, self.cfg.eval_tokens)
-            for name, prompts in self.eval_sets.items()
-        }
-
     def save(self) -> None:
         if self.out is not None:
             meta = {
@@ -304,8 +295,10 @@ class Trainer:
         return self.history
 
     def _eval_line(self, bar) -> dict:
+        """Tau on the held-out prompts and on each named set (see `eval_sets`), printed and
+        added to OUT/curve.jsonl."""
         ev = self.evaluate()
-        line = {}
+        line, curve = {}, {}
         if ev is not None:
             hist = " ".join(f"{k}:{v}" for k, v in ev["histogram"].items())
             bar.console.print(
@@ -313,18 +306,20 @@ class Trainer:
                 f"(per response {ev['tau_per_response']:.2f}, {ev['rounds']} rounds) [{hist}]"
             )
             line = {"eval_tau": ev["tau"], "eval_tau_per_response": ev["tau_per_response"]}
-        sets = self.evaluate_sets()
-        if sets:
-            taus = {name: round(r["tau"], 4) for name, r in sets.items()}
+            curve["held-out"] = ev["tau"]
+        if self.eval_sets:
+            taus = {
+                name: round(eval_tau(self.drafter, self.target, ps, self.cfg.eval_tokens)["tau"], 4)
+                for name, ps in self.eval_sets.items()
+            }
             bar.console.print(
                 f"step {self.step}: tau by set "
                 + ", ".join(f"{name} {tau:.2f}" for name, tau in taus.items())
             )
             line["eval_sets"] = taus
-        if line and self.out is not None:
-            point = {"step": self.step, "seen_tokens": self.seen_tokens}
-            point.update({"held-out": line["eval_tau"]} if "eval_tau" in line else {})
-            point.update(line.get("eval_sets", {}))
+            curve.update(taus)
+        if curve and self.out is not None:
+            point = {"step": self.step, "seen_tokens": self.seen_tokens, **curve}
             self.out.mkdir(parents=True, exist_ok=True)
             with (self.out / CURVE_FILE).open("a") as f:
                 f.write(json.dumps(point) + "\n")
@@ -344,7 +339,8 @@ def prepare_prompts(
     if saved.exists():
         return [json.loads(line)["prompt"] for line in saved.read_text().splitlines() if line]
     if data:
-        prompts = read_prompts(data)
+        # (prompt_files.py: the first known text field of each record, or a chat's first turn)
+        prompts = [p for path in data for p in read_prompt_file(path)]
         if n:
             prompts = prompts[:n]
     elif getattr(target.tokenizer, "chat_template", None):
@@ -354,34 +350,6 @@ def prepare_prompts(
     out.mkdir(parents=True, exist_ok=True)
     saved.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     return prompts
-
-
-def answer(
-    target,
-    prompts: list[str],
-    shard: Path,
-    temps,
-    max_tokens: int,
-    batch: int,
-    seed: int,
-    tap_ids=None,
-):
-    """Answer the prompts not yet in the shard, with a progress bar (and keep the taps of
-    `tap_ids` while at it: see `answer_prompts`)."""
-    done = len(done_ids(shard) & set(range(len(prompts))))
-    with progress(info=True, show=True, transient=False) as bar:
-        task = bar.add_task("answer", total=len(prompts), completed=done, info="")
-        answer_prompts(
-            target,
-            prompts,
-            shard,
-            temps=temps,
-            max_tokens=max_tokens,
-            batch=batch,
-            seed=seed,
-            on_batch=lambda k: bar.advance(task, k),
-            tap_ids=tap_ids,
-        )
 
 
 def load_training_target(model: str | None, dequantize: bool):
