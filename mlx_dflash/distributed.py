@@ -47,14 +47,11 @@ class World:
     collectives: int = 0  # host decisions broadcast
     bytes_agreed: int = 0
     _beat: float = field(default_factory=time.monotonic)
+    sharded = True  # (a class attribute, not a field)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-    @property
-    def sharded(self) -> bool:
-        return True
 
     def agree(self, values) -> np.ndarray:
         """Rank 0's values (an int array of the same shape everywhere), on every rank."""

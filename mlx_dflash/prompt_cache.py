@@ -16,7 +16,6 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 
@@ -102,15 +101,14 @@ def save(path: str | Path, session, model: str, **about) -> CacheFile:
         **about,
     )
     arrays: dict[str, mx.array] = {}
-    for i, c in enumerate(session.cache):
-        a, m = c.saved()
-        arrays.update({f"t{i}.{k}": v for k, v in a.items()})
-        meta.layers.append({"type": type(c).__name__, **m})
+    parts = [("t", session.cache, meta.layers)]
     if session.drafter is not None and hasattr(session.drafter, "cache"):
-        for i, c in enumerate(session.drafter.cache):
+        parts.append(("d", session.drafter.cache, meta.drafter_layers))
+    for prefix, caches, layers in parts:
+        for i, c in enumerate(caches):
             a, m = c.saved()
-            arrays.update({f"d{i}.{k}": v for k, v in a.items()})
-            meta.drafter_layers.append({"type": type(c).__name__, **m})
+            arrays.update({f"{prefix}{i}.{k}": v for k, v in a.items()})
+            layers.append({"type": type(c).__name__, **m})
     text = {"format": FORMAT, "meta": json.dumps(asdict(meta))}
     path = Path(path)
     check_output(path)
@@ -175,8 +173,3 @@ def _kv_flags(kv: dict | None) -> str:
     if kv is None:
         return "off"
     return f"{kv['bits']} --kv-group-size {kv['group_size']} --quantized-kv-start {kv['start']}"
-
-
-def describe(meta: CacheFile) -> dict[str, Any]:
-    """What `--json` and notes say of a loaded cache."""
-    return {"prompt_cache_tokens": len(meta.tokens), "prompt_cache_source": meta.source}

@@ -36,16 +36,9 @@ def render(
     answer; a last assistant message is the answer's start, which the model continues
     (--prefill-response). `template_kwargs` reach the chat template (enable_thinking=False
     for Qwen3)."""
-    prefilled = bool(messages) and messages[-1]["role"] == "assistant"  # the answer's start
     if templated:
-        msgs = ([{"role": "system", "content": system}] if system else []) + list(messages)
-        ids = tokenizer.apply_chat_template(
-            msgs, add_generation_prompt=not prefilled, continue_final_message=prefilled,
-            tokenize=True, **template_kwargs,
-        )  # fmt: skip
-        if isinstance(ids, dict):
-            ids = ids["input_ids"]
-        return list(ids)
+        prefilled = bool(messages) and messages[-1]["role"] == "assistant"  # the answer's start
+        return _templated(tokenizer, messages, system, prefilled, **template_kwargs)
     text = f"{system}\n\n" if system else ""
     for i, m in enumerate(messages):
         last = i == len(messages) - 1
@@ -57,6 +50,17 @@ def render(
     return ids
 
 
+def _templated(tokenizer, messages: list, system: str | None, open_last: bool, **template_kwargs):
+    """Token ids through the chat template: the last message left open for the model to
+    continue (`open_last`), else followed by the generation prompt."""
+    msgs = ([{"role": "system", "content": system}] if system else []) + list(messages)
+    ids = tokenizer.apply_chat_template(
+        msgs, add_generation_prompt=not open_last, continue_final_message=open_last,
+        tokenize=True, **template_kwargs,
+    )  # fmt: skip
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
 def render_open(
     tokenizer, text: str, system: str | None = None, templated: bool = True
 ) -> list[int]:
@@ -64,15 +68,10 @@ def render_open(
     cache_prompt renders it): a later prompt continues it (`continuation`)."""
     if not text.strip():
         raise DFlashError("The prompt is empty.")
-    if not templated:
-        return render(tokenizer, [{"role": "user", "content": text}], system, False)
-    msgs = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": text}
-    ]
-    ids = tokenizer.apply_chat_template(
-        msgs, add_generation_prompt=False, continue_final_message=True, tokenize=True
-    )
-    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    msgs = [{"role": "user", "content": text}]
+    if templated:
+        return _templated(tokenizer, msgs, system, open_last=True)
+    return render(tokenizer, msgs, system, False)
 
 
 def continuation(tokenizer, prompt: str, templated: bool = True, **template_kwargs) -> list[int]:

@@ -184,11 +184,7 @@ def print_report(results: dict[str, Any], console) -> None:
             split,
             f"{r['prompt_tps']:.0f}",
             f"{r.get('peak_memory_mb', 0):.0f}",
-            *(
-                []
-                if not structured
-                else ["-" if r["valid"] is None else f"{100 * r['valid']:.0f}%"]
-            ),
+            *(["-" if r["valid"] is None else f"{100 * r['valid']:.0f}%"] if structured else []),
         )
     console.print(table)
     chosen = results.get("default")

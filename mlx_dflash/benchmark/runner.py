@@ -20,7 +20,7 @@ from ..engine.corpus import AnswerCorpus, live_corpus, load_corpus
 from ..engine.session import DEFAULT_LOOKUP, uses_drafter
 from ..errors import DFlashError
 from ..models.pair import load_pair
-from ..prompts import encode_prompt, stop_ids
+from ..prompts import encode_prompt, has_template, stop_ids
 from .datasets import load_grammars, load_prompts
 from .report import check_identical, speedups, summarize
 
@@ -222,9 +222,8 @@ def run_method(
     if method.mode == "mlx-lm":
         run = run_mlx_lm(target, ids, cfg)
     else:
-        changes = {"mode": method.mode, "budget": method.budget, "lookup": method.lookup}
-        changes["lookup_corpus"] = method.corpus
-        cfg = GenerationConfig(**{**vars(cfg), **changes})
+        cfg = dataclasses.replace(cfg, mode=method.mode, budget=method.budget,
+                                  lookup=method.lookup, lookup_corpus=method.corpus)  # fmt: skip
         run = run_engine(target, runner, ids, cfg, session)
     run.peak_memory = mx.get_peak_memory()
     run.valid = check_valid(target, cfg, run.tokens)
@@ -246,23 +245,30 @@ def with_context(tokenizer, prompts: list[str], context: int) -> list[str]:
     return out
 
 
-def _environment() -> dict[str, Any]:
+def package_version(pkg: str) -> str | None:
+    """An installed package's version (None: not installed): bench's, doctor's, --version's."""
     from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        return version(pkg)
+    except PackageNotFoundError:
+        return None
+
+
+def _environment() -> dict[str, Any]:
     import mlx.core as mx
 
     from .. import __version__, _blas
 
-    env = {"dflash_mlx": __version__, "python": platform.python_version()}
-    for pkg in ("mlx", "mlx-lm"):
-        try:
-            env[pkg] = version(pkg)
-        except PackageNotFoundError:
-            env[pkg] = None
-    env["machine"] = f"{platform.system()} {platform.machine()}"
-    env["device"] = str(mx.default_device())
-    env["blas"] = _blas.loaded_blas
-    return env
+    return {
+        "dflash_mlx": __version__,
+        "python": platform.python_version(),
+        "mlx": package_version("mlx"),
+        "mlx-lm": package_version("mlx-lm"),
+        "machine": f"{platform.system()} {platform.machine()}",
+        "device": str(mx.default_device()),
+        "blas": _blas.loaded_blas,
+    }
 
 
 def run_bench(
@@ -322,8 +328,6 @@ def run_bench(
     runs, outputs = _run_all(meths, target, runner, encoded, grammars, cfg, bool(context), update)
     rows = [{"dataset": n, "method": m.label, **summarize(runs[n][m.label])}
             for n in encoded for m in meths]  # fmt: skip
-    if chat_template is None:
-        chat_template = bool(getattr(tok, "chat_template", None))
     asked.pop("progress")
     return {
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -336,7 +340,7 @@ def run_bench(
             **asked,
             "methods": [m.label for m in meths],
             "datasets": names,
-            "chat_template": chat_template,
+            "chat_template": has_template(tok) if chat_template is None else chat_template,
         },  # fmt: skip
         "environment": _environment(),
         "baseline": speedups(rows),

@@ -23,12 +23,9 @@ app = typer.Typer(
 
 def _version(value: bool) -> None:
     if value:
-        from importlib.metadata import PackageNotFoundError, version
+        from ..benchmark.runner import package_version
 
-        try:
-            typer.echo(f"dflash-mlx {version('mlx-dflash')}")
-        except PackageNotFoundError:
-            typer.echo("dflash-mlx (not installed as a package)")
+        typer.echo(f"dflash-mlx {package_version('mlx-dflash') or '(not installed as a package)'}")
         raise typer.Exit()
 
 

@@ -49,14 +49,11 @@ def cache_command(
     As mlx-lm's cache_prompt: through the chat template the text is an open user message that
     the later prompt continues. The drafter's context is saved with the target's caches, so
     the later run drafts from its first round."""
-    from .. import distributed
-
     text = opts.read_prompt(prompt, prompt_file)
     kv = opts.kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     prompt_cache.check_output(out)
     flags = opts.Flags(1, mode=mode, prefill=prefill_step_size)
-    world = distributed.init()
-    target, runner, cfg = opts.load_settled(flags, model, drafter, world)
+    world, target, runner, cfg = opts.load_settled(flags, model, drafter)
     templated = use_template(target.tokenizer, chat_template)
     ids = render_open(target.tokenizer, text, system, templated)
     runner = runner if cfg.uses_drafter else None

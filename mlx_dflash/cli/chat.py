@@ -14,8 +14,6 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import typer
-
 from ..conversation import Conversation
 from ..engine.choice import describe
 from ..prompts import stop_ids
@@ -95,10 +93,7 @@ def _pasted_line() -> str | None:
     """The next line if it is already waiting on stdin (the rest of a paste), else None."""
     import select
 
-    if not select.select([sys.stdin], [], [], 0.03)[0]:
-        return None
-    line = sys.stdin.readline()
-    return None if line == "" else line.rstrip("\n")
+    return PlainIO().read() if select.select([sys.stdin], [], [], 0.03)[0] else None
 
 
 class WordWrap:
@@ -185,6 +180,11 @@ class SharedIO:
 
     def __init__(self, io, world):
         self.io, self.world = io, world
+        # What goes out: the io's own on rank 0, nothing on the other ranks.
+        out = (io.write, io.end_answer, io.info, io.notice)
+        self.write, self.end_answer, self.info, self.notice = (
+            out if world.is_main else (lambda text: None,) * 4
+        )
 
     def read(self) -> str | None:
         with self.world.idle():
@@ -193,23 +193,6 @@ class SharedIO:
 
     def stopped(self, local: Callable[[], bool]) -> Callable[[], bool]:
         return lambda: bool(self.world.agree([local()])[0])
-
-    # What goes out, rank 0 only.
-    def write(self, text: str) -> None:
-        if self.world.is_main:
-            self.io.write(text)
-
-    def end_answer(self, line: str) -> None:
-        if self.world.is_main:
-            self.io.end_answer(line)
-
-    def info(self, text: str) -> None:
-        if self.world.is_main:
-            self.io.info(text)
-
-    def notice(self, text: str) -> None:
-        if self.world.is_main:
-            self.io.notice(text)
 
 
 def save(chat: Conversation, io, path: str, model: str | None) -> None:
@@ -294,19 +277,9 @@ def chat_command(
     xtc_probability: float = opts.XTC_PROBABILITY,
     xtc_threshold: float = opts.XTC_THRESHOLD,
     seed: int = opts.SEED,
-    max_tokens: int = typer.Option(
-        512,
-        "--max-tokens",
-        "-n",
-        min=1,
-        metavar="N",
-        help="Per answer.",
-        rich_help_panel=opts.OUTPUT,
-    ),  # fmt: skip
+    max_tokens: int = opts.max_tokens_option(512, "Per answer."),
 ) -> None:
     """Chat with a model in the terminal (/help for commands); scriptable through stdin."""
-    from .. import distributed
-
     flags = opts.Flags(max_tokens, temp, top_p, top_k, seed, mode, block_size, budget,
                        lookup, lookup_corpus, prefill=prefill_step_size, min_p=min_p,
                        min_keep=min_tokens_to_keep,
@@ -315,8 +288,7 @@ def chat_command(
     saved, arrays, model, drafter, kv, max_kv_size = opts.read_prompt_cache(
         prompt_cache_file, model, drafter, kv, max_kv_size
     )
-    world = distributed.init()  # several ranks under mlx.launch: a sharded target
-    target, runner, cfg = opts.load_settled(flags, model, drafter, world)
+    world, target, runner, cfg = opts.load_settled(flags, model, drafter)
     cfg = dataclasses.replace(cfg, stop_ids=stop_ids(target.tokenizer))
     chat = Conversation(target, runner, cfg, system, chat_template, thinking, kv, max_kv_size)
     if saved is not None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import platform
 import sys
 import time
-from importlib.metadata import PackageNotFoundError, version
 
 from rich.console import Console
 from rich.table import Table
@@ -27,16 +26,10 @@ def matmul_gflops(n: int = 1024, repeats: int = 8) -> float:
     return 2 * n**3 * repeats / (time.perf_counter() - t) / 1e9
 
 
-def _version(pkg: str) -> str:
-    try:
-        return version(pkg)
-    except PackageNotFoundError:
-        return "not installed"
-
-
 def memory_bytes() -> tuple[int | None, int | None]:
     """(this machine's memory, what the GPU may hold: Metal's recommended working set, else
     None). Either None where the system does not say."""
+    import contextlib
     import os
 
     import mlx.core as mx
@@ -47,10 +40,8 @@ def memory_bytes() -> tuple[int | None, int | None]:
         total = None
     gpu = None
     if mx.metal.is_available():
-        try:
+        with contextlib.suppress(Exception):  # an older MLX without device_info: not shown
             gpu = int(mx.device_info().get("max_recommended_working_set_size") or 0) or None
-        except Exception:  # noqa: BLE001 - an older MLX without device_info: not shown
-            gpu = None
     return total, gpu
 
 
@@ -111,6 +102,7 @@ def report() -> dict[str, str]:
     import mlx.core as mx
 
     from .. import _blas
+    from ..benchmark.runner import package_version
     from ..engine.device import device_class
     from ..kernels import cpu_math
     from ..kernels.gated_delta import gdn_backend
@@ -118,20 +110,17 @@ def report() -> dict[str, str]:
     from ..settings import SETTINGS
 
     metal = mx.metal.is_available()
+    blas = "Accelerate" if sys.platform == "darwin" else "bundled"
     if sys.platform.startswith("linux"):
-        blas = (
-            _blas.loaded_blas
-            or "MLX's bundled reference BLAS (slow: apt-get install libopenblas0-pthread)"
-        )
-    else:
-        blas = "Accelerate" if sys.platform == "darwin" else "bundled"
+        slow = "MLX's bundled reference BLAS (slow: apt-get install libopenblas0-pthread)"
+        blas = _blas.loaded_blas or slow
     return {
-        "dflash-mlx": _version("mlx-dflash"),
+        "dflash-mlx": package_version("mlx-dflash") or "not installed",
         "platform": f"{platform.system()} {platform.machine()}, Python {platform.python_version()}",
         "memory": memory_line(),
         "disk": disk_line(),
-        "mlx": _version("mlx"),
-        "mlx-lm": _version("mlx-lm"),
+        "mlx": package_version("mlx") or "not installed",
+        "mlx-lm": package_version("mlx-lm") or "not installed",
         "device": f"{mx.default_device()} ({'Metal GPU' if metal else 'CPU only, no Metal'})",
         "device class": {
             "metal": "metal: Metal kernels, measured choices",
@@ -203,16 +192,14 @@ def verify_report(model: str | None) -> dict[str, str]:
         return out
     cal = target.verify_kernel
     if cal is None:
-        return {**out, "verify kernel": "none: no quantized linear layer the kernel takes"}
-    if not cal.agreed:
-        return {
-            **out,
-            "verify kernel": f"not used: it disagreed with stock MLX here ({cal.reason})",
-        }
-    lines = [f"M={r['rows']:>2}: stock {r['stock_steps']:.2f} / kernel {r['kernel_steps']:.2f} "
-             f"steps, kernel on {r['kernel_layers']} of {r['shapes']} shapes"
-             for r in cal.rows()]  # fmt: skip
-    return {**out, "verify kernel": "\n".join(lines)}
+        kernel = "none: no quantized linear layer the kernel takes"
+    elif not cal.agreed:
+        kernel = f"not used: it disagreed with stock MLX here ({cal.reason})"
+    else:
+        kernel = "\n".join(f"M={r['rows']:>2}: stock {r['stock_steps']:.2f} / kernel "
+                           f"{r['kernel_steps']:.2f} steps, kernel on {r['kernel_layers']} of "
+                           f"{r['shapes']} shapes" for r in cal.rows())  # fmt: skip
+    return {**out, "verify kernel": kernel}
 
 
 def queueing_line(target) -> str:
@@ -258,12 +245,8 @@ def doctor_command(model: str = opts.MODEL, drafter: str = opts.DRAFTER) -> None
     from .. import _blas
 
     table = Table(show_header=False, box=None)
-    rows = {**report(), **pair_report(model, drafter), **verify_report(model)}
     blas_ok = not sys.platform.startswith("linux") or bool(_blas.loaded_blas)
-    for k, v in {
-        **rows,
-        **pairs_summary(),
-        "next step": next_step(model, drafter, blas_ok),
-    }.items():
+    rows = {**report(), **pair_report(model, drafter), **verify_report(model), **pairs_summary()}
+    for k, v in {**rows, "next step": next_step(model, drafter, blas_ok)}.items():
         table.add_row(f"[bold]{k}[/bold]", v)
     Console().print(table)

@@ -8,7 +8,6 @@ import sys
 
 import typer
 
-from .. import distributed
 from ..engine import Session, Stats, stream_generate
 from ..engine.choice import describe
 from ..prompts import encode_prompt, stop_ids, use_template
@@ -49,10 +48,7 @@ PROMPT_FILE = typer.Option(
     None, "--prompt-file", metavar="FILE", help="Read the prompt from a file.",
     rich_help_panel=PROMPT,
 )  # fmt: skip
-MAX_TOKENS = typer.Option(
-    256, "--max-tokens", "-n", min=1, metavar="N", help="Tokens to generate at most.",
-    rich_help_panel=OUT,
-)  # fmt: skip
+MAX_TOKENS = opts.max_tokens_option(256, "Tokens to generate at most.")
 EXTRA_EOS = typer.Option(
     [], "--extra-eos-token", metavar="TOKEN",
     help="A token (text or id) that ends the answer too.", rich_help_panel=OUT,
@@ -160,8 +156,7 @@ def generate_command(
     saved, arrays, model, drafter, kv, max_kv_size = opts.read_prompt_cache(
         prompt_cache_file, model, drafter, kv, max_kv_size
     )
-    world = distributed.init()  # several ranks under mlx.launch: a sharded target
-    target, runner, cfg = opts.load_settled(flags, model, drafter, world)
+    world, target, runner, cfg = opts.load_settled(flags, model, drafter)
     session = Session(target, runner if cfg.uses_drafter else None, kv, max_kv_size)
     if saved is None:
         ids = encode_prompt(target.tokenizer, prompt, chat_template, system, thinking,

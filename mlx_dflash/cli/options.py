@@ -35,6 +35,13 @@ def panel(title: str, *options) -> None:
         option.rich_help_panel = title
 
 
+def max_tokens_option(default: int, help: str):
+    """--max-tokens (-n): the same flag everywhere, with each command's default and help."""
+    return typer.Option(
+        default, "--max-tokens", "-n", min=1, metavar="N", help=help, rich_help_panel=OUTPUT
+    )
+
+
 MODEL = typer.Option(
     None,
     "--model",
@@ -320,19 +327,23 @@ def xtc_special(cfg: GenerationConfig, target) -> GenerationConfig:
     return dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, xtc_special=special))
 
 
-def load_settled(flags: Flags, model, drafter, world):
-    """(target, drafter runner, final settings): the flags checked before any model loads, the
-    pair loaded, the default chosen (engine/choice.py) and any notes said once on stderr."""
+def load_settled(flags: Flags, model, drafter):
+    """(world, target, drafter runner, final settings): the process group (several ranks under
+    mlx.launch: a sharded target), the flags checked before any model loads, the pair loaded,
+    the default chosen (engine/choice.py) and any notes said once on stderr."""
+    from .. import distributed
     from ..models.pair import load_pair
 
+    world = distributed.init()
     flags.config()
     target, runner = load_pair(model, drafter, flags.mode, world)
     cfg, note = flags.settle(target, runner, model)
     if world.is_main:
         if note:
             typer.echo(f"note: {note}", err=True)
-        print_slow_verify_note(target, model, cfg)
-    return target, runner, cfg
+        if slow := slow_verify_note(target, model, cfg.mode, cfg.budget):
+            typer.echo(slow, err=True)
+    return world, target, runner, cfg
 
 
 def default_corpus(cfg: GenerationConfig, runner) -> GenerationConfig:
@@ -416,9 +427,3 @@ def context_note(target, prompt_tokens: int, max_tokens: int) -> str | None:
         f"note: the prompt ({prompt_tokens} tokens) and --max-tokens {max_tokens} pass this "
         f"model's context of {context} tokens; text past it may degrade."
     )
-
-
-def print_slow_verify_note(target, model: str | None, cfg: GenerationConfig) -> None:
-    note = slow_verify_note(target, model, cfg.mode, cfg.budget)
-    if note is not None:
-        typer.echo(note, err=True)

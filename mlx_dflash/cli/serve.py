@@ -35,10 +35,7 @@ THINKING = typer.Option(
     help="Default enable_thinking for chat templates that have the switch (requests may "
     "override it with chat_template_kwargs).", rich_help_panel=opts.TEMPLATE,
 )  # fmt: skip
-MAX_TOKENS = typer.Option(
-    512, "--max-tokens", "-n", min=1, metavar="N",
-    help="Answer length when a request does not say.", rich_help_panel=opts.OUTPUT,
-)  # fmt: skip
+MAX_TOKENS = opts.max_tokens_option(512, "Answer length when a request does not say.")
 HOST = typer.Option(
     "127.0.0.1", "--host", help="Address to bind (0.0.0.0 exposes the server to the network).",
     rich_help_panel=SERVER,
@@ -95,7 +92,6 @@ def serve_command(
     verbose: bool = VERBOSE,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, messages)."""
-    from .. import distributed
     from ..server.app import App, ServerConfig
     from ..server.http import make_server
 
@@ -104,9 +100,9 @@ def serve_command(
                        min_keep=min_tokens_to_keep,
                        xtc=(xtc_probability, xtc_threshold))  # fmt: skip
     kv = opts.kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
-    world = distributed.init()  # several ranks under mlx.launch: rank 0 serves HTTP
-    # (cfg: the engine config every request starts from)
-    target, runner, cfg = opts.load_settled(flags, model, drafter, world)
+    # (several ranks under mlx.launch: rank 0 serves HTTP; cfg: the engine config every
+    # request starts from)
+    world, target, runner, cfg = opts.load_settled(flags, model, drafter)
     if kv is not None or max_kv_size is not None:
         target.make_cache(kv, max_kv_size)  # a target they do not apply to stops here
     served = name or (Path(model).name if model else "stories260K")
