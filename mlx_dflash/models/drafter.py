@@ -97,8 +97,11 @@ class DrafterAttention(nn.Module):
         cpu = R == 1 and sinks is None and k.shape[-1] == v.shape[-1] and use_cpu_attention()
         outs = []
         for r, (cache, mask) in enumerate(zip(caches, masks, strict=True)):
-            rows = slice(r * bs, (r + 1) * bs)
-            q_r, (keys, values) = q[:, :, rows], cache.extend(k[:, :, rows], v[:, :, rows])
+            # (a block alone is all of q, k and v: no slices to build)
+            q_r, k_r, v_r = (
+                (q, k, v) if R == 1 else (t[:, :, r * bs : (r + 1) * bs] for t in (q, k, v))
+            )
+            keys, values = cache.extend(k_r, v_r)
             if cpu:
                 outs.append(cpu_attention(q_r, keys, values, self.scale, mask))
             else:
@@ -353,8 +356,8 @@ def propose_rows(runners: list, requests: list[tuple[int, int, int]]) -> list[Pr
     bs, starts = cfg.block_size, [start for _, start, _ in requests]
     for r, start in zip(runners, starts, strict=True):
         assert start == r.context_len, "drafter context out of sync with the target"
-    blocks = mx.array([[last] + [cfg.mask_token_id] * (bs - 1) for last, _, _ in requests])
-    embed = first.target.token_embeddings(blocks.reshape(-1))
+    blocks = [t for last, _, _ in requests for t in [last] + [cfg.mask_token_id] * (bs - 1)]
+    embed = first.target.token_embeddings(mx.array(blocks))
     if cfg.input_embedding_scale is not None:
         embed = embed * cfg.input_embedding_scale
     caches = [r.cache for r in runners]  # (pending taps projected first)
