@@ -440,3 +440,15 @@ def test_doctor_says_version_memory_disk_and_the_next_step(run_cli, monkeypatch)
     monkeypatch.setattr(doctor, "memory_bytes", lambda: (16e9, 10.7e9))  # a 16 GB Mac
     step = doctor.next_step(None, None, blas_ok=True)
     assert step.startswith("dflash-mlx chat -m Qwen/Qwen3.5-9B") and "5.1 GB" in step, step
+
+
+def test_doctor_reports_a_target_with_no_known_drafter(tmp_path):
+    """A target no published drafter is known for runs prompt lookup alone (generate's default),
+    so doctor reports it so rather than stopping at "pass --drafter"."""
+    from mlx_dflash.cli import doctor
+    from mlx_dflash.models.tiny import write_tiny_target
+
+    folder = write_tiny_target(tmp_path / "target", "qwen3")
+    rows = doctor.pair_report(str(folder), None)
+    assert rows["target"].startswith(str(folder)) and "qwen3, 6 layers" in rows["target"]
+    assert rows["drafter"].startswith("none known for this target: it runs prompt lookup alone")

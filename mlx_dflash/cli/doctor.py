@@ -145,6 +145,7 @@ def pair_report(model: str | None, drafter: str | None) -> dict[str, str]:
     from ..checkpoints.read import read_config, text_config
     from ..checkpoints.registry import find_drafter
     from ..checkpoints.resolve import resolve_model
+    from ..errors import NoDrafterKnown
     from ..models.drafter_config import DrafterConfig
     from ..paths import DEFAULT_DRAFTER, DEFAULT_TARGET
 
@@ -155,7 +156,13 @@ def pair_report(model: str | None, drafter: str | None) -> dict[str, str]:
     t = text_config(tcfg)
     out = {"target": f"{target_path} ({t.get('model_type', tcfg.get('model_type'))}, "
            f"{t.get('num_hidden_layers')} layers)"}  # fmt: skip
-    drafter_path = resolve_model(drafter or find_drafter(model), "drafter", target=target_path)
+    if drafter is None:
+        try:
+            drafter = find_drafter(model)
+        except NoDrafterKnown:  # as generate does: prompt lookup alone
+            return {**out, "drafter": "none known for this target: it runs prompt lookup alone "
+                    "(--drafter names one)"}  # fmt: skip
+    drafter_path = resolve_model(drafter, "drafter", target=target_path)
     d = DrafterConfig.from_dict(
         read_config(drafter_path, "drafter"), num_target_layers=t.get("num_hidden_layers")
     ).describe()
