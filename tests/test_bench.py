@@ -279,3 +279,15 @@ def test_the_default_method_is_what_generate_runs(pair, data_dir, tmp_path):
     assert m["dflash"].budget is None and m["dflash:2"].budget == 2
     assert m["dflash:auto"].budget == "auto" and m["ddtree"].budget == 16
     assert m["default"].corpus is None and m["dflash"].corpus == ""
+
+
+def test_dataset_lists_read_as_methods_do():
+    """`--dataset "gsm8k, mbpp"` names two datasets (spaces after commas, as `--methods` takes
+    them); an empty list is one sentence."""
+    from mlx_dflash.benchmark.runner import _dataset_names
+    from mlx_dflash.errors import DFlashError
+
+    assert _dataset_names("gsm8k, mbpp") == ["gsm8k", "mbpp"]
+    assert _dataset_names(["humaneval,", " stories"]) == ["humaneval", "stories"]
+    with pytest.raises(DFlashError, match="names no dataset"):
+        _dataset_names(" , ")

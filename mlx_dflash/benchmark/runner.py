@@ -374,7 +374,7 @@ def _default_ran(chosen, cfg: GenerationConfig, runner) -> dict | None:
 
 def _dataset_names(datasets: str | list[str]) -> list[str]:
     names = [d.strip() for d in ([datasets] if isinstance(datasets, str) else datasets)]
-    names = [n for x in names for n in x.split(",") if n.strip()]
+    names = [n.strip() for x in names for n in x.split(",") if n.strip()]
     if not names:
         raise DFlashError("--dataset names no dataset.")
     return names
