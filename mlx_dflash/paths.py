@@ -51,6 +51,18 @@ def read_profile(name: str, parse: Callable[[Any], T]) -> T | None:
         return None
 
 
+def measured(
+    name: str, parse: Callable[[Any], T], measure: Callable[[], T], dump: Callable[[T], Any]
+) -> T:
+    """The measurement cached as NAME (read_profile), else measure() now, cached as dump() of
+    it: each of these is measured once per model and machine."""
+    value = read_profile(name, parse)
+    if value is None:
+        value = measure()
+        write_profile(name, dump(value))
+    return value
+
+
 def write_profile(name: str, data: Any) -> None:
     """Cache a measurement (JSON) for read_profile, whole or not at all (a temporary file
     renamed); a read-only cache loses nothing but the time of measuring again."""

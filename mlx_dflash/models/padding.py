@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..engine.device import on_cpu
-from ..paths import profile_key, read_profile, write_profile
+from ..paths import measured, profile_key
 from ..progress import progress
 from ..settings import SETTINGS
 
@@ -101,12 +101,8 @@ class RowPadding:
             return None
         if setting.isdigit():
             return cls.multiple(int(setting))
-        name = f"{profile_key(target)}-rows"
-        padding = read_profile(name, lambda d: cls(d["table"]))
-        if padding is None:
-            padding = cls.measure(target)
-            write_profile(name, {"table": padding.table})
-        return padding
+        return measured(f"{profile_key(target)}-rows", lambda d: cls(d["table"]),
+                        lambda: cls.measure(target), lambda p: {"table": p.table})  # fmt: skip
 
 
 def blas_weights(target) -> bool:

@@ -30,7 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..kernels import quantized as qk
-from ..paths import profile_key, read_profile, write_profile
+from ..paths import measured, profile_key
 
 ROW_COUNTS = (2, 3, 4, 6, 8, 12, 16, 24, 32)  # timed; a count between two takes the next one up
 REPEATS = 5
@@ -237,20 +237,20 @@ def calibrate(layers: list, device, progress: Callable[[str, int], None] | None 
 
 def load_or_calibrate(target, device=None) -> Calibration:
     """The target's calibration on this machine: cached, else measured now (a progress bar)."""
-    name = f"{profile_key(target)}-qmm"
-    cached = read_profile(name, Calibration.from_json)
-    if cached is not None:
-        return cached
-    from ..progress import progress
 
-    device = device or MetalDevice()
-    layers = [m for _, m in quantized_layers(target.model)] + _tied(target)
-    shapes = {layer_shape(x) for x in layers}
-    with progress() as bar:
-        task = bar.add_task("calibrating the verify kernel", total=len(shapes) * len(ROW_COUNTS))
-        cal = calibrate(layers, device, lambda s, n: bar.update(task, advance=n))
-    write_profile(name, cal.to_json())
-    return cal
+    def measure() -> Calibration:
+        from ..progress import progress
+
+        layers = [m for _, m in quantized_layers(target.model)] + _tied(target)
+        total = len({layer_shape(x) for x in layers}) * len(ROW_COUNTS)
+        with progress() as bar:
+            task = bar.add_task("calibrating the verify kernel", total=total)
+            return calibrate(
+                layers, device or MetalDevice(), lambda s, n: bar.update(task, advance=n)
+            )
+
+    name = f"{profile_key(target)}-qmm"
+    return measured(name, Calibration.from_json, measure, Calibration.to_json)
 
 
 def _tied(target) -> list:

@@ -34,7 +34,7 @@ from .. import _blas
 from ..engine import device
 from ..engine.budget import profile_name, session_at
 from ..engine.contract import Pass
-from ..paths import read_profile, write_profile
+from ..paths import measured
 from .padding import blas_weights
 
 REPEATS = 5
@@ -123,9 +123,5 @@ def choose_threads(target, timer=measure_threads) -> int:
 def _measured(target, suffix: str, ways: tuple[str, ...], timer) -> dict[str, float]:
     """timer(target)'s seconds by way, measured once per model and machine (cached beside the
     verify profile)."""
-    name = profile_name(target) + suffix
-    times = read_profile(name, lambda d: {way: float(d[way]) for way in ways})
-    if times is None:
-        times = timer(target)
-        write_profile(name, times)
-    return times
+    parse = lambda d: {way: float(d[way]) for way in ways}  # noqa: E731
+    return measured(profile_name(target) + suffix, parse, lambda: timer(target), dict)
