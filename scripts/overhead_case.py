@@ -9,6 +9,7 @@ about 5 tokens per round (16-token blocks) on held-out prompts, then saved.
 
     python scripts/overhead_case.py build models/overhead-case      # ~3 minutes on 2 cores
     python scripts/overhead_case.py build-dflash2 models/overhead-case2  # a DFlash 2 drafter
+    python scripts/overhead_case.py build models/overhead-deep --target-layers 12 --drafter-layers 5
     python scripts/overhead_case.py measure models/overhead-case [REPS]  # against mlx-lm, z-lab
     dflash-mlx bench -m models/overhead-case/target -d models/overhead-case/drafter \\
         --dataset models/overhead-case/prompts.jsonl --no-chat-template -n 64 --profile
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import mlx_dflash  # noqa: F401  (loads OpenBLAS before mlx on Linux)
@@ -47,7 +47,10 @@ def sentences(words: np.ndarray, n: int, n_words: int, rng) -> np.ndarray:
     return words[rng.integers(0, WORDS, size=(n, n_words))].reshape(n, -1)
 
 
-def train_target(folder: Path, words: np.ndarray, steps: int = 200, seed: int = 0) -> None:
+def train_target(
+    folder: Path, words: np.ndarray, steps: int = 200, seed: int = 0, layers: int = 6,
+    vocab: int = VOCAB,
+) -> None:  # fmt: skip
     from mlx_dflash.models.tiny import write_tiny_target
     from mlx_lm.utils import load_model, save_model
 
@@ -60,7 +63,8 @@ def train_target(folder: Path, words: np.ndarray, steps: int = 200, seed: int = 
         num_key_value_heads=2,
         head_dim=32,
         intermediate_size=384,
-        vocab_size=VOCAB,
+        vocab_size=vocab,
+        num_hidden_layers=layers,
     )
     model, _ = load_model(folder)
     rng = np.random.default_rng(seed)
@@ -81,14 +85,17 @@ def train_target(folder: Path, words: np.ndarray, steps: int = 200, seed: int = 
     save_model(folder, model)
 
 
-def build(out: Path, arch: str = "dflash") -> None:
+def build(
+    out: Path, arch: str = "dflash", target_layers: int = 6, drafter_layers: int = 2,
+    vocab: int = VOCAB,
+) -> None:  # fmt: skip
     from mlx_dflash import load_target
     from mlx_dflash.training.data import batch_generate
     from mlx_dflash.training.trainer import TrainConfig, Trainer, new_drafter_config
     from mlx_dflash.models.drafter import init_drafter
 
     words = language()
-    train_target(out / "target", words)
+    train_target(out / "target", words, layers=target_layers, vocab=vocab)
     target = load_target(out / "target")
     target.model.freeze()
     rng = np.random.default_rng(1)
@@ -97,7 +104,7 @@ def build(out: Path, arch: str = "dflash") -> None:
     records = [
         {"tokens": p + a, "prompt_len": len(p)} for p, a in zip(prompts, answers, strict=True)
     ]
-    cfg = new_drafter_config(target, layers=2, mask_token_id=0)
+    cfg = new_drafter_config(target, layers=drafter_layers, mask_token_id=0)
     if arch == "dflash2":  # (the published DFlash 2 fields: train.py's --arch dflash2)
         cfg = dataclasses.replace(cfg, conv_kernel_size=2, conv_group_size=16,
                                   selector_rank=32, selector_top_k=16)  # fmt: skip
@@ -167,7 +174,9 @@ WHOLE = "dflash, queued whole"
 MODES[WHOLE] = MODES["dflash"]
 
 
-def measure(case: Path, max_tokens: int = 64, reps: int = 5, modes=tuple(MODES)) -> None:
+def measure(
+    case: Path, max_tokens: int = 64, reps: int = 5, modes=tuple(MODES), prompt_words=None
+) -> None:
     """Plain mlx-lm, our engine and z-lab's loop (when installed), interleaved prompt by prompt
     in one process (the order rotating each prompt): the time of each generation (prefill +
     decoding of `max_tokens`), its median and mean against mlx-lm's, median / min, and tau;
@@ -181,6 +190,9 @@ def measure(case: Path, max_tokens: int = 64, reps: int = 5, modes=tuple(MODES))
 
     target, drafter = load_pair(str(case / "target"), str(case / "drafter"))
     prompts = [json.loads(line)["token_ids"] for line in (case / "prompts.jsonl").open()]
+    if prompt_words:  # as many prompts, each prompt_words words long, of the same language
+        rng = np.random.default_rng(2)
+        prompts = [p.tolist() for p in sentences(language(), len(prompts), prompt_words, rng)]
     cfg = {m: GenerationConfig(max_tokens=max_tokens, **MODES[m]) for m in modes}
     zlab = zlab_loop(case)
     chosen = target.queue_layers  # (the WHOLE method turns it off for its own generations)
@@ -254,9 +266,23 @@ def measure(case: Path, max_tokens: int = 64, reps: int = 5, modes=tuple(MODES))
 
 
 if __name__ == "__main__":
-    if len(sys.argv) not in (3, 4) or sys.argv[1] not in ("build", "build-dflash2", "measure"):
-        sys.exit(__doc__)
-    if sys.argv[1].startswith("build"):
-        build(Path(sys.argv[2]), "dflash2" if sys.argv[1] == "build-dflash2" else "dflash")
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("command", choices=["build", "build-dflash2", "measure"])
+    ap.add_argument("case", type=Path)
+    ap.add_argument("reps", type=int, nargs="?", default=5, help="measure: passes over the prompts")
+    # Shapes other than the planted case's own, so that it is not the only fixture its loop
+    # was tuned on: a published pair's depths (Qwen3-8B's 36 layers scaled to 12, and the
+    # 5-layer drafters z-lab publishes), a real tokenizer's vocabulary size (unused ids), and
+    # prompts of a chat's length rather than 15 tokens.
+    ap.add_argument("--target-layers", type=int, default=6)
+    ap.add_argument("--drafter-layers", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=VOCAB)
+    ap.add_argument("--prompt-words", type=int, help="measure: prompts of this many 5-token words")
+    a = ap.parse_args()
+    if a.command == "measure":
+        measure(a.case, reps=a.reps, prompt_words=a.prompt_words)
     else:
-        measure(Path(sys.argv[2]), reps=int(sys.argv[3]) if len(sys.argv) == 4 else 5)
+        arch = "dflash2" if a.command == "build-dflash2" else "dflash"
+        build(a.case, arch, a.target_layers, a.drafter_layers, a.vocab)
