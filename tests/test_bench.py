@@ -291,3 +291,52 @@ def test_dataset_lists_read_as_methods_do():
     assert _dataset_names(["humaneval,", " stories"]) == ["humaneval", "stories"]
     with pytest.raises(DFlashError, match="names no dataset"):
         _dataset_names(" , ")
+
+
+def test_repeat_keeps_each_prompts_median_run(monkeypatch):
+    """--repeat N: every method runs each prompt N times, interleaved (the methods alternate
+    within a repeat), the run of median decode time stands for it, and a growing corpus gains
+    the prompt's answer once, after its repeats (so no repeat looks up its own answer)."""
+    from mlx_dflash.engine.corpus import AnswerCorpus
+
+    calls, decode = [], iter([5.0, 1.0, 3.0, 9.0, 7.0, 8.0] * 2)
+
+    def fake_run(m, target, runner, ids, cfg, session=None):
+        calls.append(m.label)
+        t = next(decode)
+        return bench.Run(tokens=[ids[0], int(t)], prompt_tokens=1, t_prefill=0.1, t_decode=t,
+                         taus=[1])  # fmt: skip
+
+    monkeypatch.setattr(bench, "run_method", fake_run)
+    grown = AnswerCorpus([])
+    meths = [Method("ar", "ar"), Method("lookup+corpus", "lookup", corpus=grown)]
+    progress = []
+    runs, outputs = bench._run_all(
+        meths, None, None, {"set": [[10], [20]]}, {"set": [None, None]}, _cfg(), False,
+        lambda desc, n: progress.append(n), repeat=3,
+    )  # fmt: skip
+    assert calls == ["ar", "lookup+corpus"] * 6 and len(progress) == 12
+    # prompt 1: ar ran 5, 3, 7 -> 5; lookup ran 1, 9, 8 -> 8; prompt 2 likewise
+    assert [r.t_decode for r in runs["set"]["ar"]] == [5.0, 5.0]
+    assert [r.t_decode for r in runs["set"]["lookup+corpus"]] == [8.0, 8.0]
+    assert outputs["set"][1] == {"ar": [20, 5], "lookup+corpus": [20, 8]}
+    assert len(grown) == 4  # two answers of 2 tokens: one per prompt, not one per repeat
+
+
+def _cfg():
+    from mlx_dflash.engine.session import GenerationConfig
+
+    return GenerationConfig(max_tokens=4)
+
+
+def test_repeat_from_the_command_line(pair, data_dir, tmp_path):
+    out = tmp_path / "r.json"
+    args = bench_args(pair, out) + ["--methods", "mlx-lm,dflash", "--no-plot", "--repeat", "2"]
+    r = CliRunner().invoke(app, [*args, "--data-dir", str(data_dir), "--limit", "1"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(out.read_text())
+    assert res["settings"]["repeat"] == 2 and res["identical"]["identical"] is True
+    assert "median of 2 runs" in " ".join(r.stdout.split())  # (the caption may wrap)
+    assert [x["prompts"] for x in res["results"]] == [1, 1]
+    bad = CliRunner().invoke(app, [*args[:-1], "0", "--data-dir", str(data_dir)])
+    assert bad.exit_code != 0 and "Traceback" not in bad.output

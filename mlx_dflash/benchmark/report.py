@@ -158,10 +158,10 @@ def _pct(part: float | None, total: float) -> str:
 def print_report(results: dict[str, Any], console) -> None:
     from rich.table import Table
 
-    table = Table(
-        title=f"dflash-mlx bench: {results['model']}",
-        caption="tok/s: decoding only; d/v/o: share of decode time drafting/verifying/other",
-    )
+    caption = "tok/s: decoding only; d/v/o: share of decode time drafting/verifying/other"
+    if results["settings"].get("repeat", 1) > 1:
+        caption += f"; each prompt's median of {results['settings']['repeat']} runs"
+    table = Table(title=f"dflash-mlx bench: {results['model']}", caption=caption)
     for col in ("dataset", "method", "tok/s", "speedup", "tau", "tau histogram", "d/v/o %"):
         left = col in ("dataset", "method", "tau histogram")
         table.add_column(col, justify="left" if left else "right", no_wrap=col != "tau histogram")

@@ -290,6 +290,7 @@ def run_bench(
     profile: bool = False,
     lookup_corpus: str | None = None,
     grow_corpus: bool = False,
+    repeat: int = 1,
     progress=None,
 ) -> dict[str, Any]:
     """Run every method on every prompt of every dataset; return the results as a dict.
@@ -299,7 +300,8 @@ def run_bench(
     our engine's methods then share one prefill per prompt (a 16K-token prefill takes minutes
     on a CPU), and each reports the prefill it did itself.
     `profile`: sync after each phase of a round, so draft / verify / host / Python times are
-    the device's (slower: nothing overlaps). `grow_corpus`: see parse_methods."""
+    the device's (slower: nothing overlaps). `grow_corpus`: see parse_methods. `repeat`: each
+    prompt run that many times by every method, interleaved; the median run counts."""
     asked = {k: v for k, v in locals().items() if k not in ("model", "drafter", "data_dir")}
     meths = parse_methods(methods, lookup_corpus, grow_corpus)
     names = _dataset_names(datasets)
@@ -321,11 +323,15 @@ def run_bench(
         stop_ids=stop_ids(tok),
         profile=profile,
     )
-    total = sum(len(v) for v in encoded.values()) * len(meths)
+    if repeat < 1:
+        raise DFlashError(f"--repeat must be at least 1, not {repeat}.")
+    total = sum(len(v) for v in encoded.values()) * len(meths) * repeat
     update = progress(total) if progress else None
     first = next(iter(encoded))  # (its first prompt's grammar warms llguidance's tokenizer)
     _warm_up(meths, target, runner, encoded[first][0], cfg, grammars[first][0], update)
-    runs, outputs = _run_all(meths, target, runner, encoded, grammars, cfg, bool(context), update)
+    runs, outputs = _run_all(
+        meths, target, runner, encoded, grammars, cfg, bool(context), update, repeat
+    )
     rows = [{"dataset": n, "method": m.label, **summarize(runs[n][m.label])}
             for n in encoded for m in meths]  # fmt: skip
     asked.pop("progress")
@@ -392,24 +398,31 @@ def _warm_up(meths, target, runner, ids: list[int], cfg: GenerationConfig, gramm
 
 
 def _run_all(
-    meths, target, runner, encoded: dict, grammars: dict, cfg: GenerationConfig, shared, update
-):
+    meths, target, runner, encoded: dict, grammars: dict, cfg: GenerationConfig, shared, update,
+    repeat: int = 1,
+):  # fmt: skip
     """Every method on every prompt: (runs by set and method, outputs by set, prompt, method).
     With `shared`, our engine's methods share one Session (one prefill) per prompt. A prompt
-    with a grammar (grammars[set][i]) is answered under it by every method."""
+    with a grammar (grammars[set][i]) is answered under it by every method. With `repeat`,
+    every method runs each prompt that many times, interleaved, and the run of median decode
+    time stands for it (a slow phase of the machine during one run then moves nothing)."""
     runs: dict[str, dict[str, list[Run]]] = {n: {m.label: [] for m in meths} for n in encoded}
     outputs: dict[str, list[dict[str, list[int]]]] = {n: [] for n in encoded}
     for name, prompts in encoded.items():
         for i, ids in enumerate(prompts):
-            outputs[name].append({})
-            session = Session(target, runner) if shared else None
             one = dataclasses.replace(cfg, grammar=grammars[name][i])
+            tries: dict[str, list[Run]] = {m.label: [] for m in meths}
+            for _ in range(repeat):
+                session = Session(target, runner) if shared else None
+                for m in meths:
+                    tries[m.label].append(run_method(m, target, runner, ids, one, session))
+                    if update:
+                        update(f"{name} {i + 1}/{len(prompts)} {m.label}", 1)
+            outputs[name].append({})
             for m in meths:
-                run = run_method(m, target, runner, ids, one, session)
+                run = sorted(tries[m.label], key=lambda r: r.t_decode)[(repeat - 1) // 2]
                 runs[name][m.label].append(run)
                 outputs[name][i][m.label] = run.tokens
                 if isinstance(m.corpus, AnswerCorpus):  # --grow-corpus: for the next prompts
                     m.corpus.add([t for t in run.tokens if t not in cfg.stop_ids])
-                if update:
-                    update(f"{name} {i + 1}/{len(prompts)} {m.label}", 1)
     return runs, outputs

@@ -70,6 +70,13 @@ def bench_command(
         "serve's corpus grows with the answers it serves (empty at first without "
         "--lookup-corpus).",
     ),
+    repeat: int = typer.Option(
+        1,
+        "--repeat",
+        min=1,
+        help="Run each prompt N times per method, interleaved; the median run counts "
+        "(steadier numbers on a noisy machine).",
+    ),
     out: Path = typer.Option(
         None, "--out", "-o", help="JSON results (default: bench-results/bench-<timestamp>.json)."
     ),
