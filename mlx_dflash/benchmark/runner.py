@@ -323,8 +323,6 @@ def run_bench(
         stop_ids=stop_ids(tok),
         profile=profile,
     )
-    if repeat < 1:
-        raise DFlashError(f"--repeat must be at least 1, not {repeat}.")
     total = sum(len(v) for v in encoded.values()) * len(meths) * repeat
     update = progress(total) if progress else None
     first = next(iter(encoded))  # (its first prompt's grammar warms llguidance's tokenizer)
@@ -406,6 +404,8 @@ def _run_all(
     with a grammar (grammars[set][i]) is answered under it by every method. With `repeat`,
     every method runs each prompt that many times, interleaved, and the run of median decode
     time stands for it (a slow phase of the machine during one run then moves nothing)."""
+    if repeat < 1:
+        raise DFlashError(f"--repeat must be at least 1, not {repeat}.")
     runs: dict[str, dict[str, list[Run]]] = {n: {m.label: [] for m in meths} for n in encoded}
     outputs: dict[str, list[dict[str, list[int]]]] = {n: [] for n in encoded}
     for name, prompts in encoded.items():

@@ -71,11 +71,7 @@ def bench_command(
         "--lookup-corpus).",
     ),
     repeat: int = typer.Option(
-        1,
-        "--repeat",
-        min=1,
-        help="Run each prompt N times per method, interleaved; the median run counts "
-        "(steadier numbers on a noisy machine).",
+        1, "--repeat", min=1, help="Run each prompt N times; each method's median run counts."
     ),
     out: Path = typer.Option(
         None, "--out", "-o", help="JSON results (default: bench-results/bench-<timestamp>.json)."
@@ -88,8 +84,6 @@ def bench_command(
 
     # Logs and pipes get the whole table rather than columns squeezed to 80 characters.
     console = Console() if sys.stdout.isatty() else Console(width=200)
-    if out is None:
-        out = Path("bench-results") / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     with progress() as bar:
 
         def on_start(total):
@@ -102,8 +96,10 @@ def bench_command(
         raise typer.Exit(1)
 
 
-def _write(results: dict, out: Path, plot: bool, console) -> None:
-    """The JSON, the PNG beside it, and the table."""
+def _write(results: dict, out: Path | None, plot: bool, console) -> None:
+    """The JSON (default: bench-results/bench-<timestamp>.json), the PNG beside it, the table."""
+    if out is None:
+        out = Path("bench-results") / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     png = None
     if plot:
         png = write_plot(results, out.with_suffix(".png"))
