@@ -304,8 +304,8 @@ def test_repeat_keeps_each_prompts_median_run(monkeypatch):
     def fake_run(m, target, runner, ids, cfg, session=None):
         calls.append(m.label)
         t = next(decode)
-        return bench.Run(tokens=[ids[0], int(t)], prompt_tokens=1, t_prefill=0.1, t_decode=t,
-                         taus=[1])  # fmt: skip
+        return bench.Run(tokens=[ids[0], len(m.label)], prompt_tokens=1, t_prefill=0.1,
+                         t_decode=t, taus=[1])  # fmt: skip
 
     monkeypatch.setattr(bench, "run_method", fake_run)
     grown = AnswerCorpus([])
@@ -319,8 +319,25 @@ def test_repeat_keeps_each_prompts_median_run(monkeypatch):
     # prompt 1: ar ran 5, 3, 7 -> 5; lookup ran 1, 9, 8 -> 8; prompt 2 likewise
     assert [r.t_decode for r in runs["set"]["ar"]] == [5.0, 5.0]
     assert [r.t_decode for r in runs["set"]["lookup+corpus"]] == [8.0, 8.0]
-    assert outputs["set"][1] == {"ar": [20, 5], "lookup+corpus": [20, 8]}
+    assert outputs["set"][1] == {"ar": [20, 2], "lookup+corpus": [20, 13]}
     assert len(grown) == 4  # two answers of 2 tokens: one per prompt, not one per repeat
+
+
+def test_repeat_reports_a_repeat_that_decoded_otherwise(monkeypatch):
+    """The median run counts for speed, but every repeat's answer is checked: a repeat that
+    decoded differently (state left over from an earlier run, say) is the prompt's output."""
+    decode = iter([2.0, 1.0, 3.0])
+
+    def fake_run(m, target, runner, ids, cfg, session=None):
+        t = next(decode)
+        tokens = [7, 8] if t == 3.0 else [7, 9]  # the slowest repeat answers otherwise
+        return bench.Run(tokens=tokens, prompt_tokens=1, t_prefill=0.1, t_decode=t, taus=[1])
+
+    monkeypatch.setattr(bench, "run_method", fake_run)
+    runs, outputs = bench._run_all(
+        [Method("ar", "ar")], None, None, {"set": [[1]]}, {"set": [None]}, _cfg(), False, None, 3
+    )
+    assert runs["set"]["ar"][0].t_decode == 2.0 and outputs["set"][0]["ar"] == [7, 8]
 
 
 def _cfg():

@@ -422,7 +422,10 @@ def _run_all(
             for m in meths:
                 run = sorted(tries[m.label], key=lambda r: r.t_decode)[(repeat - 1) // 2]
                 runs[name][m.label].append(run)
-                outputs[name][i][m.label] = run.tokens
+                # Every repeat's answer is compared, not only the run that counts: one that
+                # decoded otherwise stands for the prompt, so the check reports it.
+                odd = (r.tokens for r in tries[m.label] if r.tokens != run.tokens)
+                outputs[name][i][m.label] = next(odd, run.tokens)
                 if isinstance(m.corpus, AnswerCorpus):  # --grow-corpus: for the next prompts
                     m.corpus.add([t for t in run.tokens if t not in cfg.stop_ids])
     return runs, outputs
