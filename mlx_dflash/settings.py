@@ -6,7 +6,7 @@ a field, tests change them through monkeypatch (tests/conftest.py), and `dflash-
 prints them. A value is checked where it is used, in one sentence naming the variable, so a
 typo in one never stops `import mlx_dflash`.
 
-Six of them change which code computes a verify (the first six below); each states which
+Seven of them change which code computes a verify (the first seven below); each states which
 device class it serves (engine/device.py).
 """
 
@@ -25,6 +25,7 @@ VARIABLES = {
     "numpy_math": ("DFLASH_MLX_NUMPY_MATH", "large exponentials through numpy: auto | 0 | 1 (CPU)"),
     "row_padding": ("DFLASH_MLX_ROW_PADDING", "dense rows padded: auto | 0 | k (CPU)"),
     "cpu_attention": ("DFLASH_MLX_CPU_ATTENTION", "attention's base-2 softmax: auto | 0 (CPU)"),
+    "compile": ("DFLASH_MLX_COMPILE", "a layer's halves through mx.compile: auto | 0 | 1 (GPU)"),
     "blas": ("DFLASH_BLAS", "OpenBLAS for float32 matmuls: auto | off | a path (CPU, Linux)"),
     "parallel": ("DFLASH_MLX_PARALLEL", "a sharded target: auto | tensor | pipeline"),
     "dist_timeout": ("DFLASH_MLX_DIST_TIMEOUT", "seconds a rank waits for the others"),
@@ -42,6 +43,7 @@ class Settings:
     numpy_math: str = ""
     row_padding: str = ""
     cpu_attention: str = ""
+    compile: str = ""
     blas: str = ""
     parallel: str = ""
     dist_timeout: str = ""

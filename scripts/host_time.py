@@ -15,7 +15,9 @@ table shows per round (medians over every decoding round of every prompt, after 
   alone, evaluation only), so host = round - device is the host's share;
 - batched rows: one packed tick of 4 or 8 rows (wall per packed forward, and per row-round).
 
-The CPU tricks are off (a Mac runs none of them), unless --cpu-tricks: numpy exponentials, BLAS
+Compiled layer halves are on (models/compiled.py: a GPU keeps them where they measured exact
+and faster; DFLASH_MLX_COMPILE=0 to compare). The CPU tricks are off (a Mac runs none of them),
+unless --cpu-tricks: numpy exponentials, BLAS
 row padding, the CPU attention (grouped matmuls and a base-2 softmax: about 14 operations a layer
 where a Mac builds MLX's one fused attention), and queueing a verify layer by layer
 (models/queueing.py), which overlaps graph building with evaluation here, on cores the two then
@@ -48,6 +50,9 @@ if "--cpu-tricks" not in sys.argv:
     os.environ.setdefault("DFLASH_MLX_NUMPY_MATH", "0")
     os.environ.setdefault("DFLASH_MLX_ROW_PADDING", "0")
     os.environ.setdefault("DFLASH_MLX_CPU_ATTENTION", "0")
+    # A GPU compiles a layer's fixed-shape halves where that measured exact and faster
+    # (models/compiled.py); the CPU backend does not by default: on, as on a GPU.
+    os.environ.setdefault("DFLASH_MLX_COMPILE", "1")
 
 import mlx_dflash  # noqa: F401  (loads OpenBLAS before mlx on Linux)
 

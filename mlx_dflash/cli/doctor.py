@@ -193,8 +193,12 @@ def verify_report(model: str | None) -> dict[str, str]:
 
     target = load_target(resolve_model(model, "target"))  # (measures once, then cached)
     if cpu:
-        return {**cpu, "blas threads": threads_line(target)}
-    out = {"verify queueing": queueing_line(target)}
+        return {
+            **cpu,
+            "blas threads": threads_line(target),
+            "compiled layers": compile_line(target),
+        }
+    out = {"verify queueing": queueing_line(target), "compiled layers": compile_line(target)}
     if not on_metal():
         return out
     cal = target.verify_kernel
@@ -220,6 +224,23 @@ def queueing_line(target) -> str:
     return (
         f"{way}: a {TOKENS}-token verify {1e3 * t['by_layer']:.2f} ms by layer, "
         f"{1e3 * t['whole']:.2f} ms whole (measured at first load)"
+    )
+
+
+def compile_line(target) -> str:
+    """Whether lone causal passes run each layer's halves compiled (models/compiled.py)."""
+    from ..settings import SETTINGS
+
+    t, way = target.compile_timings, "on" if target.compiled else "off"
+    if t is None:
+        why = "a sharded target" if target.world.sharded else "the CPU's choice"
+        why = "DFLASH_MLX_COMPILE" if SETTINGS.compile in ("0", "1") else why
+        return f"{way} ({why}; a GPU measures it at a target's first load)"
+    if t["compiled"] == float("inf"):
+        return f"{way}: compiled layers disagreed with plain ones on this device (never used)"
+    return (
+        f"{way}: a verify {1e3 * t['compiled']:.2f} ms compiled, {1e3 * t['plain']:.2f} ms "
+        "plain (measured at first load)"
     )
 
 

@@ -68,9 +68,9 @@ class DrafterAttention(nn.Module):
             self.attention_sink_bias = mx.zeros((self.n_heads,))
 
     def _rope(self, t: mx.array, offset: int | mx.array) -> mx.array:
-        """Heads t (B, heads, L, d) at positions offset.. (an int), or with B = 1, each token at
-        its own position (an array of L: packed blocks, a token a batch row)."""
-        if isinstance(offset, mx.array):
+        """Heads t (B, heads, L, d) at positions offset.. (an int or a 0-d array), or with B = 1,
+        each token at its own position (an array of L: packed blocks, a token a batch row)."""
+        if isinstance(offset, mx.array) and offset.ndim == 1:
             return self.rope(t.transpose(2, 1, 0, 3), offset=offset).transpose(2, 1, 0, 3)
         return self.rope(t, offset=offset)
 
@@ -87,10 +87,18 @@ class DrafterAttention(nn.Module):
         projected once: block r over the layer's cached context in caches[r] plus itself, under
         masks[r]. A block's K/V go into its cache's buffer after the context (no copy of the
         context, which grows with the text) and are not kept: the next append overwrites them."""
-        L, R = x.shape[1], len(caches)
-        bs = L // R
+        q, k, v = self.project(x, offset)
+        return self.o_proj(self.attend(q, k, v, caches, masks))
+
+    def project(self, x: mx.array, offset: int | mx.array):
+        """q (1, heads, L, d), k and v (1, n_kv, L, d) of x at positions `offset` (_rope)."""
         q = self._rope(split_heads(x, self.q_proj, self.n_heads, self.q_norm), offset)
-        k, v = self.project_kv(x, offset)
+        return (q, *self.project_kv(x, offset))
+
+    def attend(self, q, k, v, caches: list[ContextCache], masks) -> mx.array:
+        """(1, L, heads * dv): each block's queries over its context and itself (__call__)."""
+        L, R = q.shape[2], len(caches)
+        bs = L // R
         sinks = module_attr(self, "attention_sink_bias")
         # A block alone takes the CPU attention where it can (as the target's: exp is slow);
         # packed blocks, MLX's.
@@ -108,7 +116,7 @@ class DrafterAttention(nn.Module):
                 outs.append(mx.fast.scaled_dot_product_attention(
                     q_r, keys, values, scale=self.scale, mask=mask, sinks=sinks))  # fmt: skip
         out = outs[0] if R == 1 else mx.concatenate(outs, axis=2)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, L, -1))
+        return out.transpose(0, 2, 1, 3).reshape(1, L, -1)
 
 
 def split_heads(x: mx.array, proj, n: int, norm=None) -> mx.array:
@@ -145,8 +153,23 @@ class DrafterLayer(nn.Module):
     def __call__(self, h: mx.array, attend, blocks: int = 1) -> mx.array:
         """h (1, blocks * bs, H): one block, or several packed; `attend` is the attention over
         them (each block over its own context: DFlashDrafter.__call__)."""
-        h = h + attend(self.input_layernorm(h))
+        return self.mlp_half(h + attend(self.input_layernorm(h)))
+
+    def mlp_half(self, h: mx.array) -> mx.array:
         return h + self.mlp.infer(self.post_attention_layernorm(h))
+
+    def compiled(self, h: mx.array, cache: ContextCache, offset: int, mask) -> mx.array:
+        """The layer over one block, its halves around the context cache through mx.compile
+        (models/compiled.py: the drafter's pass has the same shapes every round)."""
+        fns = self.__dict__.get("_dflash_compiled")  # (not a child module: kept off the weights)
+        if fns is None:
+            attn = self.self_attn
+            before = lambda h, at: attn.project(self.input_layernorm(h), at)  # noqa: E731
+            after = lambda h, out: self.mlp_half(h + attn.o_proj(out))  # noqa: E731
+            fns = (mx.compile(before, inputs=self.state), mx.compile(after, inputs=self.state))
+            self.__dict__["_dflash_compiled"] = fns
+        q, k, v = fns[0](h, mx.array(offset, dtype=mx.int32))
+        return fns[1](h, self.self_attn.attend(q, k, v, [cache], [mask]))
 
 
 class DFlash2Layer(DrafterLayer):
@@ -236,21 +259,32 @@ class DFlashDrafter(nn.Module):
             lc.append(k, v)
 
     def __call__(
-        self, embeds: mx.array, caches: list[list[ContextCache]], starts: list[int], queue=False
+        self,
+        embeds: mx.array,
+        caches: list[list[ContextCache]],
+        starts: list[int],
+        queue=False,
+        compile_=False,
     ):
         """Hidden states (R * bs, H) of R blocks packed in `embeds` (R * bs, H), block r at
         positions starts[r].. over its own cached context (caches[r], a cache per layer): the
         projections, MLPs and convolutions run once for all of them. `queue`: each layer
-        queued as it is built, as the target's verify is (models/queueing.py)."""
+        queued as it is built, as the target's verify is (models/queueing.py). `compile_`: a
+        block alone runs each layer's halves compiled, as the target's (models/compiled.py)."""
         h, R = embeds[None], len(starts)
         bs = h.shape[1] // R
         offset: int | mx.array = starts[0]  # one block: RoPE at its start; packed, per token
         if R > 1:
             offset = mx.array(np.concatenate([s + np.arange(bs) for s in starts]), mx.int32)
+        compile_ = compile_ and R == 1 and type(self.layers[0]) is DrafterLayer
+        compile_ = compile_ and not cpu_math.applies(bs * self.cfg.intermediate_size, h.dtype)
         for i, layer in enumerate(self.layers):
             cs = [c[i] for c in caches]
             masks = [self.block_mask(i, s, c.visible, bs) for c, s in zip(cs, starts, strict=True)]
-            h = layer(h, partial(layer.self_attn, caches=cs, offset=offset, masks=masks), R)
+            if compile_:
+                h = layer.compiled(h, cs[0], starts[0], masks[0])
+            else:
+                h = layer(h, partial(layer.self_attn, caches=cs, offset=offset, masks=masks), R)
             if queue:
                 mx.async_eval(h)
         return self.norm(h)[0]
@@ -361,7 +395,7 @@ def propose_rows(runners: list, requests: list[tuple[int, int, int]]) -> list[Pr
     if cfg.input_embedding_scale is not None:
         embed = embed * cfg.input_embedding_scale
     caches = [r.cache for r in runners]  # (pending taps projected first)
-    h = drafter(embed, caches, starts, first.target.queue_layers)
+    h = drafter(embed, caches, starts, first.target.queue_layers, first.target.compiled)
     picks = [h[k * bs + 1 : k * bs + 1 + n] for k, (_, _, n) in enumerate(requests)]
     logits = first.logits(picks[0] if len(picks) == 1 else mx.concatenate(picks))
     out: list[Proposal] = []

@@ -63,20 +63,32 @@ SWIGLU_MLPS = (llama.MLP, qwen2.MLP, qwen3.MLP)
 def prenorm_block(layer, h, mix):
     """The common decoder layer: pre-norm attention and MLP (or MoE), each added back.
     `mix` runs the layer's token mixer (attention, Gated DeltaNet, MLA) under verification."""
-    h = h + mix(layer.input_layernorm(h))
-    ffn = layer.mlp if "mlp" in layer else layer.block_sparse_moe  # MiniMax names its MoE so
-    return h + feed_forward(ffn, layer.post_attention_layernorm(h))
+    return mlp_half(layer, h + mix(layer.input_layernorm(h)))
+
+
+def mlp_half(layer, h):
+    """A pre-norm layer's second half: h plus its MLP (or MoE) of the post-attention norm."""
+    return h + feed_forward(ffn_of(layer), layer.post_attention_layernorm(h))
+
+
+def ffn_of(layer):
+    return layer.mlp if "mlp" in layer else layer.block_sparse_moe  # MiniMax names its MoE so
 
 
 def feed_forward(ffn, x: mx.array) -> mx.array:
     """The layer's MLP or MoE over x. mlx-lm's SwiGLU MLPs compute the same function with the
     product's exponentials in numpy where MLX's CPU backend is slow at them (kernels/cpu_math.py:
     at a 16-token verify, most of the MLP's cost on x86)."""
-    if type(ffn) in SWIGLU_MLPS and cpu_math.applies(
-        x.size // x.shape[-1] * ffn["gate_proj"]["weight"].shape[0], x.dtype
-    ):
+    if numpy_mlp(ffn, x.size // x.shape[-1], x.dtype):
         return ffn.down_proj(cpu_math.silu_mul(ffn.gate_proj(x), ffn.up_proj(x)))
     return ffn(x)
+
+
+def numpy_mlp(ffn, rows: int, dtype: mx.Dtype) -> bool:
+    """Whether `ffn` over `rows` tokens takes numpy's exponentials (a CPU trick that syncs)."""
+    return type(ffn) in SWIGLU_MLPS and cpu_math.applies(
+        rows * ffn["gate_proj"]["weight"].shape[0], dtype
+    )
 
 
 def sandwich_block(layer, h, mix):

@@ -24,6 +24,7 @@ import numpy as np
 from ..engine.contract import Pass
 from ..errors import DFlashError
 from ..kernels.tree_attention import tree_depths
+from . import compiled
 from .attention import attention, packed_attention
 from .gated_deltanet import gdn_forward
 from .mla import mla_attention
@@ -92,7 +93,10 @@ def run_layers(target, h: mx.array, layers, spans: list[Span]) -> tuple[mx.array
     # A verify's layers are queued one by one where that measured faster (models/queueing.py)
     queue = target.queue_layers and any(r.p.rewindable for r in spans)
     for i in layers:
-        h = target.family.block(target.layers[i], h, _mixer(target, i, spans, positions))
+        if compiled.applies(target, i, spans, h):  # a repeating shape (models/compiled.py)
+            h = compiled.layer(target, i, h, spans[0])
+        else:
+            h = target.family.block(target.layers[i], h, _mixer(target, i, spans, positions))
         if queue:
             mx.async_eval(h)
         if i in tap_set:

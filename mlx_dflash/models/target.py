@@ -22,7 +22,7 @@ from ..distributed import LOCAL, LocalWorld, World
 from ..engine import device
 from ..engine.contract import Pass
 from ..errors import DFlashError
-from . import queueing
+from . import compiled, queueing
 from .arena import KVArena
 from .cache import (
     KVCache,
@@ -79,6 +79,11 @@ class Target:
         self.queue_layers = device.queues_layers()
         self.queue_timings: dict[str, float] | None = None  # that measurement, for doctor
         self.blas_timings: dict[str, float] | None = None  # OpenBLAS's threads, on the CPU
+        # Whether lone causal passes run each layer's halves compiled (models/compiled.py),
+        # their compiled functions by layer, and the measurement that chose it (a GPU's).
+        self.compiled = False
+        self.compiled_layers: dict[int, tuple] = {}
+        self.compile_timings: dict[str, float] | None = None
         self._draft_heads: dict[bytes, tuple[mx.array, mx.array]] = {}  # draft_head_rows'
         self.folder: Path | None = None  # where it was loaded from (load_target)
         self.set_taps(tap_ids)
@@ -103,6 +108,7 @@ class Target:
     @property
     def forward_paths(self) -> str:
         padded = "-padded" if self.padding is not None else ""
+        padded += "-compiled" if self.compiled else ""
         return padded + (self.verify_kernel.key if self.verify_kernel is not None else "")
 
     def set_taps(self, tap_ids) -> None:
@@ -311,6 +317,7 @@ def load_target(path: str | Path, lazy: bool = False) -> Target:
         target.padding = RowPadding.for_target(target)
         verify_kernel(target)
         target.queue_layers = queueing.choose(target)
+        target.compiled = compiled.choose(target)
     return target
 
 
