@@ -3,12 +3,13 @@ against mlx-lm's own model call on the same weights, interleaved, graphs evaluat
 the timing. On a Mac a verify's graph is built while the drafter computes, so this is host
 time every round pays.
 
-    python scripts/graph_build.py [TARGET_FOLDER] [--tokens 16] [--fused-attention]
+    python scripts/graph_build.py [TARGET_FOLDER] [--tokens 16] [--fused-attention] [--compiled]
 
 TARGET_FOLDER defaults to the planted case's target (scripts/overhead_case.py build). The CPU
 tricks (numpy exponentials, row padding, queueing layer by layer) are off, as on a Mac;
 --fused-attention also takes MLX's fused attention instead of the CPU attention path
-(DFLASH_MLX_CPU_ATTENTION=0, kernels/cpu_attention.py), as a Mac does.
+(DFLASH_MLX_CPU_ATTENTION=0, kernels/cpu_attention.py), as a Mac does; --compiled runs our
+layers' halves through mx.compile (models/compiled.py), as a GPU that measured them faster.
 """
 
 # isort: skip_file
@@ -38,11 +39,18 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=100)
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--fused-attention", action="store_true")
+    ap.add_argument(
+        "--compiled",
+        action="store_true",
+        help="our layers' halves through mx.compile, as a GPU that measured them faster "
+        "(models/compiled.py)",
+    )
     args = ap.parse_args()
     if args.fused_attention:
         mlx_dflash.SETTINGS.cpu_attention = "0"  # DFLASH_MLX_CPU_ATTENTION=0 (docs/settings.md)
     target = load_target(args.target)
     target.queue_layers = False  # no evaluation inside the timed build
+    target.compiled = args.compiled  # (traced in the warm-up reps, left out of the medians)
     ours_cache, ref_cache = target.make_cache(), make_prompt_cache(target.model)
     ctx = args.context
     prompt = mx.array(np.arange(ctx) % (target.vocab_size - 3) + 3, dtype=mx.int32)
@@ -71,7 +79,8 @@ def main() -> None:
     warm = args.reps // 6
     med = {k: float(np.median(v[warm:])) for k, v in times.items()}
     attn = "MLX's fused attention" if args.fused_attention else "this backend's attention path"
-    print(f"{args.tokens}-token verify graph, {target.num_layers} layers, {attn}:")
+    how = ", layer halves compiled" if args.compiled else ""
+    print(f"{args.tokens}-token verify graph, {target.num_layers} layers, {attn}{how}:")
     for k, v in times.items():
         print(f"  {k}: median {1e3 * med[k]:.3f} ms, min {1e3 * min(v):.3f} ms")
     print(f"  dflash-mlx / mlx-lm: {med['dflash-mlx'] / med['mlx-lm']:.2f}")

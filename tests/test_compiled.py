@@ -25,6 +25,7 @@ PROMPT = [5, 17, 3, 88, 41, 9, 120, 64, 33, 7, 200, 150, 12, 99, 45, 6, 71, 18, 
 N = 40
 # Families whose layers are all pre-norm standard attention (the rest: some or none compiled)
 ALL_COMPILED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe")
+TREE = np.array([-1, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7])
 
 
 @pytest.fixture(scope="module")
@@ -51,35 +52,43 @@ def _target(tmp_path, name="qwen3"):
 
 @pytest.mark.parametrize("name", sorted(FIXTURES))
 def test_compiled_layers_decode_as_mlx_lm_in_every_family(name, tmp_path, can_compile, no_numpy):
-    """With compiled layers on, a plain step's and a 16-token verify's logits and taps are the
-    plain layers' bit for bit, and greedy DFlash (an oracle drafter) and plain decoding give
-    mlx-lm's own continuation; the families of pre-norm attention layers did run compiled."""
+    """With compiled layers on, a plain step's, a 16-token verify's and a 16-node tree's logits
+    and taps are the plain layers' bit for bit, and greedy DFlash and DDTree (an oracle
+    drafter) and plain decoding give mlx-lm's own continuation; the families of pre-norm
+    attention layers did run compiled."""
     target = _target(tmp_path, name)
     ref = mlx_lm_greedy(target, PROMPT, N)
     outs = []
     for on in (False, True):
         compiled._set(target, on)
-        cache = target.make_cache()
-        target.forward([Pass(mx.array(PROMPT), cache, 0, taps=True)])  # (a prefill: not compiled)
-        for n in (1, 16):
-            p = Pass(mx.array(ref[:n]), cache, len(PROMPT), taps=True)
-            logits, taps = target.forward([p])[0]
+        session = Session(target)
+        prefill = Pass(mx.array(PROMPT), session.cache, 0, taps=True, rewindable=False)
+        target.forward([prefill])  # (a prefill: run once, so not compiled)
+        session.commit(PROMPT)
+        session.mark_prompt_end()
+        for n, parents in ((1, None), (16, None), (16, TREE)):
+            for _ in range(compiled.SEEN):  # (a token count runs compiled once seen before)
+                p = Pass(mx.array(ref[:n]), session.cache, len(PROMPT), taps=True, parents=parents)
+                logits, taps = target.forward([p])[0]
+                mx.eval(logits, taps)
+                session.commit([])
             outs.append((np.array(logits), np.array(taps)))
-            for c in cache:
-                c.trim(len(PROMPT))
-    for (a, ta), (b, tb) in zip(outs[:2], outs[2:], strict=True):
+    for (a, ta), (b, tb) in zip(outs[:3], outs[3:], strict=True):
         assert np.array_equal(a, b) and np.array_equal(ta, tb), name
     if name in ALL_COMPILED:
         assert len(target.compiled_layers) == target.num_layers, name
-    for mode, budget in (("dflash", 1), ("ar", 1)):  # (a tree verify is not compiled)
+    assert compiled.agrees(target), name  # (the GPU's check, over its own passes)
+    compiled._set(target, True)
+    for mode, budget in (("dflash", 1), ("ddtree", 8), ("ar", 1)):
         oracle = OracleDrafter(PROMPT + ref, target.vocab_size, block_size=8, corrupt=0.3, seed=1)
         out, _ = run(Session(target, oracle), PROMPT, max_tokens=N, mode=mode, budget=budget)
         assert out == ref, (name, mode)
 
 
 def test_where_the_halves_apply(tmp_path, can_compile, no_numpy, monkeypatch):
-    """A lone causal pass without row padding; not a tree, packed rows, row padding, a sharded
-    target, or a layer whose MLP takes numpy's exponentials."""
+    """A lone pass (causal or a tree) without row padding, from the SEEN-th pass of its token
+    count on; not packed rows, row padding, a sharded target, or (per layer) a layer whose MLP
+    takes numpy's exponentials."""
     from mlx_dflash.models.forward import place
 
     target = _target(tmp_path)
@@ -87,17 +96,17 @@ def test_where_the_halves_apply(tmp_path, can_compile, no_numpy, monkeypatch):
     cache = target.make_cache()
     block = place(Pass(mx.array(PROMPT[:16]), cache, 0))
     h = mx.zeros((1, 16, target.hidden_size))
-    assert compiled.applies(target, 0, [block], h)
+    assert [compiled.applies(target, [block], h) for _ in range(3)] == [False, True, True]
     tree = place(Pass(mx.array(PROMPT[:4]), cache, 0, parents=np.array([-1, 0, 0, 1])))
-    assert not compiled.applies(target, 0, [tree], h[:, :4])
+    assert [compiled.applies(target, [tree], h[:, :4]) for _ in range(2)] == [False, True]
     packed = [block, place(block.p, 16)]
-    assert not compiled.applies(target, 0, packed, mx.zeros((1, 32, target.hidden_size)))
-    assert not compiled.applies(target, 0, [block], mx.zeros((1, 24, target.hidden_size)))
+    assert not compiled.applies(target, packed, mx.zeros((1, 32, target.hidden_size)))
+    assert not compiled.applies(target, [block], mx.zeros((1, 24, target.hidden_size)))
+    assert compiled.layer_applies(target, 0, h)
     monkeypatch.setattr(compiled, "numpy_mlp", lambda *a: True)
-    assert not compiled.applies(target, 0, [block], h)
+    assert not compiled.layer_applies(target, 0, h)
     compiled._set(target, False)
-    monkeypatch.undo()
-    assert not compiled.applies(target, 0, [block], h)
+    assert not compiled.applies(target, [block], h)
 
 
 def test_the_cpu_does_not_compile_unless_asked(tmp_path, monkeypatch):
@@ -174,21 +183,36 @@ def test_a_quantized_target_compiles_exactly(bits, tmp_path, can_compile, no_num
     assert len(target.compiled_layers) == target.num_layers
 
 
-def test_the_drafters_compiled_pass_is_its_plain_one(can_compile, no_numpy):
-    """The embedded pair's drafter (a DFlash drafter): with its target's layers compiled, its
-    block pass's logits are the plain pass's bit for bit, and DFlash decodes the target's own
-    greedy text with the same acceptance, round for round."""
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_the_drafters_compiled_pass_is_its_plain_one(kind, can_compile, no_numpy):
+    """The embedded pair's drafter (DFlash; and grown into DFlash 2, its convolutions and
+    selector made random): with its target's layers compiled, its block pass's logits are the
+    plain pass's bit for bit, and DFlash decodes the target's own greedy text with the same
+    acceptance, round for round."""
+    import mlx.nn as nn
+
+    from mlx_dflash.models.drafter import DrafterRunner, to_dflash2
     from mlx_dflash.models.pair import load_pair
     from mlx_dflash.paths import DEFAULT_DRAFTER, DEFAULT_TARGET
 
     target, runner = load_pair(str(DEFAULT_TARGET), str(DEFAULT_DRAFTER))
+    if kind == "dflash2":
+        drafter = to_dflash2(runner.drafter, rank=8, top_k=4, group_size=8)
+        noise = {
+            k: mx.random.normal(v.shape, key=mx.random.key(i)) * 0.05
+            for i, (k, v) in enumerate(nn.utils.tree_flatten(drafter.parameters()))
+            if "conv" in k or "candidate_selector" in k
+        }
+        drafter.update(nn.utils.tree_unflatten(list(noise.items())))
+        runner = DrafterRunner(drafter, target)
     prompt = target.tokenizer.encode("Once upon a time, there was a little")
     results = []
     for on in (False, True):
         compiled._set(target, on)
+        out, taus = run(Session(target, runner), prompt, max_tokens=N)
         session = Session(target, runner)
-        out, taus = run(session, prompt, max_tokens=N)
-        props = runner.propose(out[-1], len(session.tokens), runner.block_size - 1)
+        first, _ = run(session, prompt, max_tokens=1)  # (the prompt's taps in its context)
+        props = runner.propose(first[-1], len(session.tokens), runner.block_size - 1)
         results.append((out, taus, np.array(props.logits)))
     assert results[0][0] == results[1][0] == mlx_lm_greedy(target, prompt, N)
     assert results[0][1] == results[1][1]

@@ -1,21 +1,28 @@
 """A decoder layer's two fixed-shape halves through `mx.compile`, where a pass's shape repeats.
 
-A lone causal pass builds the same graph every round: a plain step (1 token), a DFlash block's
-verify (the block size). Python spends most of a small target's verify building it, about 30
-MLX operations a layer, each a Python call and several `nn.Module` lookups. `mx.compile` traces
-a function once per input shape and then replays it without Python. So each layer runs as
+Most passes repeat a shape round after round: a plain step (1 token), a DFlash block's verify
+(the block size), a tree of a given budget. Python spends most of a small target's verify
+building its graph, about 30 MLX operations a layer, each a Python call and several
+`nn.Module` lookups. `mx.compile` traces a function once per input shape, then replays it
+without Python. So each layer runs as
 - before the cache, compiled: the input norm, the q/k/v projections, the q/k norms and RoPE
-  (its offset an array, so the trace does not depend on the position);
-- over the cache, as always (models/attention.py attend_cached): the K/V append, and attention
-  over a key count that grows every round;
+  (its offset, or a tree's per-token positions, an array input, so the trace does not depend on
+  where the pass is);
+- over the cache, as always (models/attention.py attend_cached): the K/V append, and causal or
+  tree attention over a key count that grows every round;
 - after it, compiled: the output gate, o_proj, the residual, the post norm, the MLP or MoE and
   the second residual.
 The functions are the ones the plain layer calls (attention.py `_qkv`, `_output`;
-families.py `mlp_half`), so the arithmetic is the same, operation for operation.
+families.py `mlp_half`), so the arithmetic is the same, operation for operation. The layer's
+weights are the compiled functions' inputs, not constants, so weights changed in place
+(nn.quantize, training) are never stale.
 
 Where: the pre-norm families' standard-attention layers (most targets; Gated DeltaNet and MLA
-layers run as before), a single causal pass without row padding, an unsharded target, and a
-width where no numpy exponential applies (kernels/cpu_math.py: it syncs, a CPU trick).
+layers run as before), a lone pass (not batched rows) without row padding, an unsharded target,
+a width where no numpy exponential applies (kernels/cpu_math.py: it syncs, a CPU trick), and a
+token count this target has run before (`SEEN`): a new shape costs a trace, a few builds'
+worth, which a shape seen once (a prompt's odd-sized last chunk, a rare tree size) never pays
+back.
 
 Which device (engine/device.py), chosen once per target at its first load (`choose`):
 - A GPU (Metal, CUDA): the compiled forward is first checked against the plain one on this
@@ -39,41 +46,53 @@ from .attention import _output, _qkv, attend_cached
 from .families import ffn_of, mlp_half, numpy_mlp, prenorm_block
 
 REPEATS = 5
+SEEN = 2  # a token count is compiled from the pass that runs it for the SEEN-th time on
 
 
-def applies(target, i: int, spans, h: mx.array) -> bool:
-    """Whether layer i runs compiled in this forward (the module doc's conditions)."""
+def applies(target, spans, h: mx.array) -> bool:
+    """Whether this forward's layers may run compiled (then `layer_applies` says which)."""
     if not target.compiled or len(spans) != 1 or target.world.sharded:
         return False
-    r, lay = spans[0], target.layers[i]
-    if r.parents is not None or h.shape[1] != r.b or target.mixers[i] != "attention":
+    T = spans[0].b
+    if h.shape[1] != T:  # row padding (models/padding.py)
         return False
-    return target.family.block is prenorm_block and not numpy_mlp(ffn_of(lay), r.b, h.dtype)
+    seen = target.compiled_shapes[T] = target.compiled_shapes.get(T, 0) + 1
+    return seen >= SEEN
+
+
+def layer_applies(target, i: int, h: mx.array) -> bool:
+    """Whether layer i runs compiled over h: a pre-norm standard-attention layer whose MLP
+    takes no numpy exponentials at this width."""
+    if target.mixers[i] != "attention" or target.family.block is not prenorm_block:
+        return False
+    return not numpy_mlp(ffn_of(target.layers[i]), h.shape[1], h.dtype)
 
 
 def layer(target, i: int, h: mx.array, span) -> mx.array:
-    """Layer i over h (1, T, H), a lone causal pass: the compiled halves around the cache."""
+    """Layer i over h (1, T, H), a lone pass (a causal block or a tree): the compiled halves
+    around the cache."""
     lay = target.layers[i]
     fns = target.compiled_layers.get(i)
     if fns is None or fns[0] is not lay:  # (a module swapped since is traced anew)
         attn, spec = lay.self_attn, target.family.attention
 
-        def before(h, offset):
-            q, k, v, gate = _qkv(attn, spec, lay.input_layernorm(h), offset, None)
+        def before(h, at):  # at: the pass's start (0-d), or a tree's positions (T,)
+            x = lay.input_layernorm(h)
+            tree = at.ndim == 1
+            q, k, v, gate = _qkv(attn, spec, x, 0 if tree else at, at if tree else None)
             return (q, k, v) if gate is None else (q, k, v, gate)
 
         def after(h, out, *gate):
             return mlp_half(lay, h + _output(attn, out, gate[0] if gate else None))
 
-        # The layer's weights are inputs, not constants: a compiled function reads them each
-        # call, so weights updated in place (nn.quantize, training) are never stale.
         fns = (lay, mx.compile(before, inputs=lay.state), mx.compile(after, inputs=lay.state))
         target.compiled_layers[i] = fns
     _, before, after = fns
     p = span.p
-    q, k, v, *gate = before(h, mx.array(p.start, dtype=mx.int32))
-    out = attend_cached(lay.self_attn, q, k, v, p.cache[i], p.start, None, None, span.masks,
-                        target.windows[i])  # fmt: skip
+    at = span.positions if span.positions is not None else mx.array(p.start, dtype=mx.int32)
+    q, k, v, *gate = before(h, at)
+    out = attend_cached(lay.self_attn, q, k, v, p.cache[i], p.start, span.positions,
+                        span.parents, span.masks, target.windows[i])  # fmt: skip
     return after(h, out, *gate)
 
 
@@ -98,20 +117,24 @@ def measure(target, repeats: int = REPEATS) -> dict[str, float]:
 
 
 def agrees(target) -> bool:
-    """Whether a plain step and a 16-token verify give the same logits, bit for bit, with
-    compiled layers as with plain ones (a trace that fails counts as disagreeing)."""
+    """Whether a plain step, a 16-token verify and a 16-node tree give the same logits, bit for
+    bit, with compiled layers as with plain ones (each pass run SEEN times, so that the last
+    runs compiled; a trace that fails counts as disagreeing)."""
     from ..engine.budget import session_at
     from ..engine.contract import Pass
 
+    tree = np.array([-1, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7])
     outs, kept = [], target.compiled
     try:
         for on in (False, True):
             _set(target, on)
             session, ids = session_at(target, 32)
-            for n in (1, 16):
-                logits, _ = target.forward([Pass(ids[:n], session.cache, 32)])[0]
+            for n, parents in ((1, None), (16, None), (16, tree)):
+                for _ in range(SEEN):
+                    p = Pass(ids[:n], session.cache, 32, parents=parents)
+                    logits, _ = target.forward([p])[0]
+                    session.commit([])
                 outs.append(np.array(logits.astype(mx.float32)))
-                session.commit([])
     except Exception:  # noqa: BLE001 (any failure to trace keeps the plain layers)
         return False
     finally:
@@ -123,6 +146,7 @@ def agrees(target) -> bool:
 def _set(target, on: bool) -> None:
     target.compiled = on
     target.compiled_layers.clear()
+    target.compiled_shapes.clear()
 
 
 def choose(target, timer=measure) -> bool:

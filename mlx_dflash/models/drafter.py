@@ -158,18 +158,28 @@ class DrafterLayer(nn.Module):
     def mlp_half(self, h: mx.array) -> mx.array:
         return h + self.mlp.infer(self.post_attention_layernorm(h))
 
+    def halves(self):
+        """The layer around its context cache, for `compiled`: before(h, at) -> q, k, v and
+        what after needs too; after(h, attention output, *that) -> the layer's output."""
+        attn = self.self_attn
+
+        def before(h, at):
+            return attn.project(self.input_layernorm(h), at)
+
+        def after(h, out):
+            return self.mlp_half(h + attn.o_proj(out))
+
+        return before, after
+
     def compiled(self, h: mx.array, cache: ContextCache, offset: int, mask) -> mx.array:
-        """The layer over one block, its halves around the context cache through mx.compile
-        (models/compiled.py: the drafter's pass has the same shapes every round)."""
+        """The layer over one block, its halves through mx.compile (models/compiled.py: the
+        drafter's pass has the same shapes every round), its weights their inputs."""
         fns = self.__dict__.get("_dflash_compiled")  # (not a child module: kept off the weights)
         if fns is None:
-            attn = self.self_attn
-            before = lambda h, at: attn.project(self.input_layernorm(h), at)  # noqa: E731
-            after = lambda h, out: self.mlp_half(h + attn.o_proj(out))  # noqa: E731
-            fns = (mx.compile(before, inputs=self.state), mx.compile(after, inputs=self.state))
+            fns = tuple(mx.compile(f, inputs=self.state) for f in self.halves())
             self.__dict__["_dflash_compiled"] = fns
-        q, k, v = fns[0](h, mx.array(offset, dtype=mx.int32))
-        return fns[1](h, self.self_attn.attend(q, k, v, [cache], [mask]))
+        q, k, v, *carried = fns[0](h, mx.array(offset, dtype=mx.int32))
+        return fns[1](h, self.self_attn.attend(q, k, v, [cache], [mask]), *carried)
 
 
 class DFlash2Layer(DrafterLayer):
@@ -194,6 +204,21 @@ class DFlash2Layer(DrafterLayer):
         h = h + packed(self.attention_conv.finish(split(attend(packed(x))), d))
         x, d = self.mlp_conv.prepare(split(self.post_attention_layernorm(h)))
         return h + packed(self.mlp_conv.finish(self.mlp.infer(x), d))
+
+    def halves(self):
+        """As DrafterLayer's, one block; the attention convolution's second half carried."""
+        attn = self.self_attn
+
+        def before(h, at):
+            x, d = self.attention_conv.prepare(self.input_layernorm(h))
+            return (*attn.project(x, at), d)
+
+        def after(h, out, d):
+            h = h + self.attention_conv.finish(attn.o_proj(out), d)
+            x, d = self.mlp_conv.prepare(self.post_attention_layernorm(h))
+            return h + self.mlp_conv.finish(self.mlp.infer(x), d)
+
+        return before, after
 
 
 class DFlashDrafter(nn.Module):
@@ -276,7 +301,7 @@ class DFlashDrafter(nn.Module):
         offset: int | mx.array = starts[0]  # one block: RoPE at its start; packed, per token
         if R > 1:
             offset = mx.array(np.concatenate([s + np.arange(bs) for s in starts]), mx.int32)
-        compile_ = compile_ and R == 1 and type(self.layers[0]) is DrafterLayer
+        compile_ = compile_ and R == 1
         compile_ = compile_ and not cpu_math.applies(bs * self.cfg.intermediate_size, h.dtype)
         for i, layer in enumerate(self.layers):
             cs = [c[i] for c in caches]

@@ -92,8 +92,9 @@ def run_layers(target, h: mx.array, layers, spans: list[Span]) -> tuple[mx.array
     tapped: dict[int, mx.array] = {}
     # A verify's layers are queued one by one where that measured faster (models/queueing.py)
     queue = target.queue_layers and any(r.p.rewindable for r in spans)
+    compile_ = compiled.applies(target, spans, h)  # a repeating shape (models/compiled.py)
     for i in layers:
-        if compiled.applies(target, i, spans, h):  # a repeating shape (models/compiled.py)
+        if compile_ and compiled.layer_applies(target, i, h):
             h = compiled.layer(target, i, h, spans[0])
         else:
             h = target.family.block(target.layers[i], h, _mixer(target, i, spans, positions))

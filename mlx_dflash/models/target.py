@@ -79,10 +79,11 @@ class Target:
         self.queue_layers = device.queues_layers()
         self.queue_timings: dict[str, float] | None = None  # that measurement, for doctor
         self.blas_timings: dict[str, float] | None = None  # OpenBLAS's threads, on the CPU
-        # Whether lone causal passes run each layer's halves compiled (models/compiled.py),
-        # their compiled functions by layer, and the measurement that chose it (a GPU's).
+        # Whether lone passes run each layer's halves compiled (models/compiled.py), their
+        # compiled functions by layer, and the measurement that chose it (a GPU's).
         self.compiled = False
         self.compiled_layers: dict[int, tuple] = {}
+        self.compiled_shapes: dict[int, int] = {}  # passes run by token count (SEEN)
         self.compile_timings: dict[str, float] | None = None
         self._draft_heads: dict[bytes, tuple[mx.array, mx.array]] = {}  # draft_head_rows'
         self.folder: Path | None = None  # where it was loaded from (load_target)
