@@ -17,9 +17,9 @@ table shows per round (medians over every decoding round of every prompt, after 
 
 Compiled layer halves are on (models/compiled.py: a GPU keeps them where they measured exact
 and faster; DFLASH_MLX_COMPILE=0 to compare). The CPU tricks are off (a Mac runs none of them),
-unless --cpu-tricks: numpy exponentials, BLAS
-row padding, the CPU attention (grouped matmuls and a base-2 softmax: about 14 operations a layer
-where a Mac builds MLX's one fused attention), and queueing a verify layer by layer
+unless --cpu-tricks: numpy exponentials, BLAS row padding, the CPU attention (grouped matmuls
+and a base-2 softmax: about 14 operations a layer where a Mac builds MLX's one fused
+attention), and queueing a verify layer by layer
 (models/queueing.py), which overlaps graph building with evaluation here, on cores the two then
 share. OpenBLAS's thread count stays as the target's load chose it (models/queueing.py): one
 fewer where that leaves Python a core, as a Mac's GPU never takes one from it.

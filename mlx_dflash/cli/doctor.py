@@ -228,7 +228,7 @@ def queueing_line(target) -> str:
 
 
 def compile_line(target) -> str:
-    """Whether lone causal passes run each layer's halves compiled (models/compiled.py)."""
+    """Whether lone passes run each layer's halves compiled (models/compiled.py)."""
     from ..settings import SETTINGS
 
     t, way = target.compile_timings, "on" if target.compiled else "off"

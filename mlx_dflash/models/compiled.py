@@ -26,7 +26,7 @@ back.
 
 Which device (engine/device.py), chosen once per target at its first load (`choose`):
 - A GPU (Metal, CUDA): the compiled forward is first checked against the plain one on this
-  device, bit for bit, on a plain step and a verify; then both are timed (models/queueing.py
+  device, bit for bit, on a plain step, a verify and a tree (`agrees`); then both are timed (models/queueing.py
   time_ways) and compiled layers are kept only where faster. Cached per model and machine;
   `dflash-mlx doctor -m MODEL` prints it. So it can never make a verify wrong or slower.
 - The CPU backend: off. Its compiled kernels are C++ that MLX builds with the system's compiler
