@@ -46,11 +46,13 @@ demo: install
 doctor: install
 	$(VENV)/bin/dflash-mlx doctor
 
+# A worker per core (pytest-xdist), each test file on one worker so its module fixtures are
+# built once; tests/conftest.py gives each worker its own MLX kernel cache.
 test: install test-deps
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile
 
 test-fast: install test-deps
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n auto --dist loadfile -m "not slow"
 
 LINTED := mlx_dflash convert tests metal/harness training scripts
 

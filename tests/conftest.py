@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# Under pytest-xdist (`make test` runs a worker per core) each worker gets its own temporary
+# folder: MLX's CPU backend compiles fused kernels into $TMPDIR/mlx and loads them back, and two
+# workers building the same kernel at once could load a library the other is still writing.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _tmp = Path(tempfile.gettempdir()) / f"dflash-mlx-tests-{os.environ['PYTEST_XDIST_WORKER']}"
+    _tmp.mkdir(exist_ok=True)
+    os.environ["TMPDIR"] = str(_tmp)
+    tempfile.tempdir = None  # read $TMPDIR again
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
