@@ -4,12 +4,18 @@ the timing. On a Mac a verify's graph is built while the drafter computes, so th
 time every round pays.
 
     python scripts/graph_build.py [TARGET_FOLDER] [--tokens 16] [--fused-attention] [--compiled]
+                                  [--one-node-fast-ops]
 
 TARGET_FOLDER defaults to the planted case's target (scripts/overhead_case.py build). The CPU
 tricks (numpy exponentials, row padding, queueing layer by layer) are off, as on a Mac;
 --fused-attention also takes MLX's fused attention instead of the CPU attention path
 (DFLASH_MLX_CPU_ATTENTION=0, kernels/cpu_attention.py), as a Mac does; --compiled runs our
 layers' halves through mx.compile (models/compiled.py), as a GPU that measured them faster.
+
+The CPU backend builds mx.fast.rms_norm, rope and scaled_dot_product_attention as their fallback
+graphs (about 15, 31 and 26 operations) where Metal builds one node each: --one-node-fast-ops
+stands each in by one elementwise node of the same shape (the values are wrong, the graph's size
+is a Mac's), to show how much of the build is that expansion (both sides alike).
 """
 
 # isort: skip_file
@@ -45,7 +51,16 @@ def main() -> None:
         help="our layers' halves through mx.compile, as a GPU that measured them faster "
         "(models/compiled.py)",
     )
+    ap.add_argument(
+        "--one-node-fast-ops",
+        action="store_true",
+        help="each mx.fast op one node, as Metal builds it (wrong values, a Mac's graph size)",
+    )
     args = ap.parse_args()
+    if args.one_node_fast_ops:
+        mx.fast.rms_norm = lambda x, *a, **k: mx.abs(x)
+        mx.fast.rope = lambda x, *a, **k: mx.abs(x)
+        mx.fast.scaled_dot_product_attention = lambda q, *a, **k: mx.abs(q)
     if args.fused_attention:
         mlx_dflash.SETTINGS.cpu_attention = "0"  # DFLASH_MLX_CPU_ATTENTION=0 (docs/settings.md)
     target = load_target(args.target)
@@ -80,6 +95,7 @@ def main() -> None:
     med = {k: float(np.median(v[warm:])) for k, v in times.items()}
     attn = "MLX's fused attention" if args.fused_attention else "this backend's attention path"
     how = ", layer halves compiled" if args.compiled else ""
+    how += ", one node per mx.fast op" if args.one_node_fast_ops else ""
     print(f"{args.tokens}-token verify graph, {target.num_layers} layers, {attn}{how}:")
     for k, v in times.items():
         print(f"  {k}: median {1e3 * med[k]:.3f} ms, min {1e3 * min(v):.3f} ms")
