@@ -103,8 +103,9 @@ def session_environment(tmp_path_factory):
     user's ~/.cache, every loaded target's forwards padded to multiples of 16 rows
     (models/padding.py): deterministic, unlike a measured table, so every exactness test runs
     padded, and every float32 exponential of a forward through numpy at any size
-    (kernels/cpu_math.py), so every exactness test runs through it too. A variable set
-    outside the tests wins; a test may set its own."""
+    (kernels/cpu_math.py), so every exactness test runs through it too, and `--budget auto`'s
+    measured verify profiles priced on a fixed curve (below). A variable set outside the tests
+    wins; a test may set its own."""
     patch = pytest.MonkeyPatch()
     if not SETTINGS.cache:
         set_setting(patch, cache=str(tmp_path_factory.mktemp("dflash-cache")))
