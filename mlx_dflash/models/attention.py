@@ -191,7 +191,7 @@ class Facts:
     qk_norm: bool  # use_qk_norm (GLM's may be off)
     value_scale: float | None
     rope: bool  # use_rope (Muse Glimmer's full-attention layers have none)
-    scale: float | None  # gpt-oss names it sm_scale
+    scale: float  # gpt-oss names it sm_scale
     sinks: str | None  # gpt-oss `sinks`, MiMo `attention_sink_bias`
 
 
@@ -203,7 +203,7 @@ def facts(attn) -> Facts:
             qk_norm=bool(module_attr(attn, "use_qk_norm", True)),
             value_scale=module_attr(attn, "value_scale"),
             rope=bool(module_attr(attn, "use_rope", True)),
-            scale=module_attr(attn, "sm_scale") if scale is None else scale,
+            scale=float(module_attr(attn, "sm_scale") if scale is None else scale),
             sinks=next((n for n in ("sinks", "attention_sink_bias") if n in attn), None),
         )
     return fixed
@@ -228,14 +228,15 @@ def _sinks(attn):
 
 
 def _scale(attn) -> float:
-    return float(facts(attn).scale)  # type: ignore[arg-type]
+    return facts(attn).scale
 
 
 def _attend(attn, q, keys, values, start, positions, parents, masks, window, held_from):
     """Attention of (1, heads, T, D) queries over the held keys: causal or tree, within a
     sliding window, with sink logits; MLX's fused attention unless the tree kernel or the CPU
     path applies (no sinks, equal key and value widths)."""
-    T, scale, sinks = q.shape[2], _scale(attn), _sinks(attn)
+    T, fixed = q.shape[2], facts(attn)
+    scale, sinks = fixed.scale, None if fixed.sinks is None else attn[fixed.sinks]
     if window is not None and start + T > window:  # a query may be past some cached key
         if "window" not in masks:  # the same for every sliding layer of this pass
             masks["window"] = window_mask(T, start, positions, parents, window)

@@ -60,12 +60,13 @@ def applies(target, spans, h: mx.array) -> bool:
     return seen >= SEEN
 
 
-def layer_applies(target, i: int, h: mx.array) -> bool:
+def layer_applies(target, i: int, h: mx.array, numpy: bool = True) -> bool:
     """Whether layer i runs compiled over h: a pre-norm standard-attention layer whose MLP
-    takes no numpy exponentials at this width."""
+    takes no numpy exponentials at this width (`numpy`: whether this forward may take them at
+    all, cpu_math.enabled())."""
     if target.mixers[i] != "attention" or target.family.block is not prenorm_block:
         return False
-    return not numpy_mlp(ffn_of(target.layers[i]), h.shape[1], h.dtype)
+    return not (numpy and numpy_mlp(ffn_of(target.layers[i]), h.shape[1], h.dtype))
 
 
 def layer(target, i: int, h: mx.array, span) -> mx.array:

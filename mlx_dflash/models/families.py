@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -60,10 +61,12 @@ def by_layer_flag(inner, i: int) -> bool:
 SWIGLU_MLPS = (llama.MLP, qwen2.MLP, qwen3.MLP)
 
 
-def prenorm_block(layer, h, mix):
+def prenorm_block(layer, h, mix, ffn):
     """The common decoder layer: pre-norm attention and MLP (or MoE), each added back.
-    `mix` runs the layer's token mixer (attention, Gated DeltaNet, MLA) under verification."""
-    return mlp_half(layer, h + mix(layer.input_layernorm(h)))
+    `mix` runs the layer's token mixer (attention, Gated DeltaNet, MLA) under verification,
+    `ffn` its feed-forward as this forward computes it (`layer_ffn`)."""
+    h = h + mix(layer.input_layernorm(h))
+    return h + ffn(layer.post_attention_layernorm(h))
 
 
 def mlp_half(layer, h):
@@ -72,7 +75,18 @@ def mlp_half(layer, h):
 
 
 def ffn_of(layer):
-    return layer.mlp if "mlp" in layer else layer.block_sparse_moe  # MiniMax names its MoE so
+    """The layer's MLP or MoE (MiniMax names its MoE block_sparse_moe). A module's children
+    are its dict's items: read so, they cost a dict lookup where `layer.mlp` costs a failed
+    attribute lookup first (~1 us, every layer of every forward)."""
+    return layer["mlp"] if "mlp" in layer else layer["block_sparse_moe"]
+
+
+def layer_ffn(layer, numpy: bool):
+    """The layer's (dense) feed-forward as a forward calls it: mlx-lm's module itself, or,
+    where this forward may take numpy's exponentials (`cpu_math.enabled()`, asked once a
+    forward: a CPU trick), `feed_forward` over it, which asks per call."""
+    ffn = ffn_of(layer)
+    return partial(feed_forward, ffn) if numpy else ffn
 
 
 def feed_forward(ffn, x: mx.array) -> mx.array:
@@ -85,16 +99,17 @@ def feed_forward(ffn, x: mx.array) -> mx.array:
 
 
 def numpy_mlp(ffn, rows: int, dtype: mx.Dtype) -> bool:
-    """Whether `ffn` over `rows` tokens takes numpy's exponentials (a CPU trick that syncs)."""
-    return type(ffn) in SWIGLU_MLPS and cpu_math.applies(
-        rows * ffn["gate_proj"]["weight"].shape[0], dtype
-    )
+    """Whether `ffn` over `rows` tokens takes numpy's exponentials (a CPU trick that syncs).
+    A target's bf16 / f16 activations (a Mac's quantized models) answer at the first test."""
+    if dtype != mx.float32 or type(ffn) not in SWIGLU_MLPS:
+        return False
+    return cpu_math.applies(rows * ffn["gate_proj"]["weight"].shape[0], dtype)
 
 
-def sandwich_block(layer, h, mix):
+def sandwich_block(layer, h, mix, ffn):
     """Muse Glimmer: a norm after attention and after the MLP too."""
     h = h + layer.post_attention_layernorm(mix(layer.input_layernorm(h)))
-    return h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+    return h + layer.post_feedforward_layernorm(ffn(layer.pre_feedforward_layernorm(h)))
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,11 @@ import numpy as np
 
 from ..engine.contract import Pass
 from ..errors import DFlashError
+from ..kernels import cpu_math
 from ..kernels.tree_attention import tree_depths
 from . import compiled
 from .attention import attention, packed_attention
+from .families import layer_ffn
 from .gated_deltanet import gdn_forward
 from .mla import mla_attention
 from .padding import on_real_rows, pad_rows
@@ -93,11 +95,14 @@ def run_layers(target, h: mx.array, layers, spans: list[Span]) -> tuple[mx.array
     # A verify's layers are queued one by one where that measured faster (models/queueing.py)
     queue = target.queue_layers and any(r.p.rewindable for r in spans)
     compile_ = compiled.applies(target, spans, h)  # a repeating shape (models/compiled.py)
+    numpy = cpu_math.enabled()  # whether an MLP may take numpy's exponentials (a CPU trick)
     for i in layers:
-        if compile_ and compiled.layer_applies(target, i, h):
+        if compile_ and compiled.layer_applies(target, i, h, numpy):
             h = compiled.layer(target, i, h, spans[0])
         else:
-            h = target.family.block(target.layers[i], h, _mixer(target, i, spans, positions))
+            layer = target.layers[i]
+            mix = _mixer(target, i, spans, positions)
+            h = target.family.block(layer, h, mix, layer_ffn(layer, numpy))
         if queue:
             mx.async_eval(h)
         if i in tap_set:
@@ -108,8 +113,20 @@ def run_layers(target, h: mx.array, layers, spans: list[Span]) -> tuple[mx.array
 def _mixer(target, i: int, spans: list[Span], positions: mx.array | None):
     """Layer i's token mixer over the forward's sequence, span by span where it reads a cache
     (one span: over the whole sequence's real tokens)."""
-    layer = target.layers[i]
+    layer, kind = target.layers[i], target.mixers[i]
     real = spans[-1].b  # the rows after it are row padding (models/padding.py)
+    if kind == "attention":
+        attn, spec, window = layer["self_attn"], target.family.attention, target.windows[i]
+        if len(spans) == 1:
+            r = spans[0]
+            return lambda x: attention(
+                attn, spec, x, r.p.cache[i], r.p.start, r.positions, r.parents, r.masks, window,
+                real,
+            )  # fmt: skip
+        parts = [
+            (r.a, r.b, r.p.cache[i], r.p.start, r.positions, r.parents, r.masks) for r in spans
+        ]
+        return lambda x: packed_attention(attn, spec, x, positions, parts, window)
 
     def per_span(fn):
         if len(spans) == 1:
@@ -118,27 +135,17 @@ def _mixer(target, i: int, spans: list[Span], positions: mx.array | None):
             lambda y: mx.concatenate([fn(y[:, r.a : r.b], r) for r in spans], axis=1), x, real
         )
 
-    kind = target.mixers[i]
     if kind == "gated_deltanet":
         gdn = layer.linear_attn
         return per_span(
             lambda x, r: gdn_forward(gdn, x, r.p.cache[i], r.p.start, r.p.parents, r.p.rewindable)
         )
-    attn = layer.self_attn
-    if kind == "mla":
-        return per_span(
-            lambda x, r: mla_attention(
-                attn, x, r.p.cache[i], r.p.start, r.positions, r.parents, r.masks
-            )
+    attn = layer.self_attn  # MLA
+    return per_span(
+        lambda x, r: mla_attention(
+            attn, x, r.p.cache[i], r.p.start, r.positions, r.parents, r.masks
         )
-    spec, window = target.family.attention, target.windows[i]
-    if len(spans) == 1:
-        r = spans[0]
-        return lambda x: attention(
-            attn, spec, x, r.p.cache[i], r.p.start, r.positions, r.parents, r.masks, window, real
-        )
-    parts = [(r.a, r.b, r.p.cache[i], r.p.start, r.positions, r.parents, r.masks) for r in spans]
-    return lambda x: packed_attention(attn, spec, x, positions, parts, window)
+    )
 
 
 def _outputs(target, h: mx.array, spans: list[Span], tapped: dict[int, mx.array]):

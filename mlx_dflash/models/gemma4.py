@@ -21,11 +21,12 @@ def gemma4_project(attn, x):
     return q, attn.k_norm(k), attn.v_norm(v), None
 
 
-def gemma4_block(layer, h, mix):
-    """One decoder layer around its attention `mix` (mlx-lm's DecoderLayer, minus the per-layer
-    inputs and shared K/V of the small models, which models/target.py refuses)."""
+def gemma4_block(layer, h, mix, ffn):
+    """One decoder layer around its attention `mix` and dense MLP `ffn` (mlx-lm's DecoderLayer,
+    minus the per-layer inputs and shared K/V of the small models, which models/target.py
+    refuses)."""
     h = h + layer.post_attention_layernorm(mix(layer.input_layernorm(h)))
-    ff = layer.mlp(layer.pre_feedforward_layernorm(h))
+    ff = ffn(layer.pre_feedforward_layernorm(h))
     if layer.enable_moe:
         ff = layer.post_feedforward_layernorm_1(ff)
         experts, weights = layer.router(h)

@@ -75,7 +75,7 @@ class RowPadding:
             for _ in range(repeats):
                 for m, h in inputs.items():
                     t0 = time.perf_counter()
-                    mx.eval([target.family.block(target.layers[i], h, _same) for i in layers])
+                    mx.eval([target.dense_layer(i, h) for i in layers])
                     t1 = time.perf_counter()
                     mx.eval(target.output_logits(h))
                     seconds[m] = min(seconds[m], scale * (t1 - t0) + time.perf_counter() - t1)
@@ -112,10 +112,6 @@ def blas_weights(target) -> bool:
     if any(isinstance(m, nn.QuantizedLinear) for _, m in target.model.named_modules()):
         return False
     return target.inner.embed_tokens.weight.dtype == mx.float32
-
-
-def _same(x: mx.array) -> mx.array:
-    return x
 
 
 def pad_rows(h: mx.array, m: int) -> mx.array:

@@ -22,6 +22,7 @@ from ..distributed import LOCAL, LocalWorld, World
 from ..engine import device
 from ..engine.contract import Pass
 from ..errors import DFlashError
+from ..kernels import cpu_math
 from . import compiled, queueing
 from .arena import KVArena
 from .cache import (
@@ -35,6 +36,7 @@ from .families import (
     ARCHITECTURES,
     architecture,
     language_model,
+    layer_ffn,
     layer_windows,
     mixer,
     model_classes,
@@ -190,6 +192,12 @@ class Target:
         if self.family.embedding_scale:
             h = h * self.inner.embed_scale
         return h
+
+    def dense_layer(self, i: int, h: mx.array) -> mx.array:
+        """Layer i around an identity token mixer: its dense work alone (models/padding.py
+        times it at each row count)."""
+        layer = self.layers[i]
+        return self.family.block(layer, h, lambda x: x, layer_ffn(layer, cpu_math.enabled()))
 
     def token_embeddings(self, tokens: mx.array) -> mx.array:
         """The target's embedding module's output, as a drafter reads it: z-lab's drafters call
