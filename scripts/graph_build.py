@@ -4,7 +4,7 @@ the timing. On a Mac a verify's graph is built while the drafter computes, so th
 time every round pays.
 
     python scripts/graph_build.py [TARGET_FOLDER] [--tokens 16] [--fused-attention] [--compiled]
-                                  [--one-node-fast-ops]
+                                  [--one-node-fast-ops] [--as-metal]
 
 TARGET_FOLDER defaults to the planted case's target (scripts/overhead_case.py build). The CPU
 tricks (numpy exponentials, row padding, queueing layer by layer) are off, as on a Mac;
@@ -15,7 +15,11 @@ layers' halves through mx.compile (models/compiled.py), as a GPU that measured t
 The CPU backend builds mx.fast.rms_norm, rope and scaled_dot_product_attention as their fallback
 graphs (about 15, 31 and 26 operations) where Metal builds one node each: --one-node-fast-ops
 stands each in by one elementwise node of the same shape (the values are wrong, the graph's size
-is a Mac's), to show how much of the build is that expansion (both sides alike).
+is a Mac's), to show how much of the build is that expansion (both sides alike). --as-metal
+reports the device class as Metal and casts the target to bfloat16, so our forward takes the
+branches it takes on an Apple GPU with a quantized model's activations (no Metal kernel is
+reached by a causal verify of an unquantized target; the graphs still evaluate on the CPU).
+"ours / mlx-lm" is the ratio of the medians, "paired" the median of each rep's own ratio.
 """
 
 # isort: skip_file

@@ -148,3 +148,43 @@ def test_profiles_are_kept_apart_with_and_without_numpy(numpy_math):
     on = profile_key(target)
     numpy_math("0")
     assert profile_key(target) != on and on.endswith("-np")
+
+
+@pytest.mark.parametrize("where", ["cpu", "metal"])
+def test_a_forward_asks_once_whether_its_mlps_take_numpy(where, numpy_math, tmp_path, monkeypatch):
+    """The numpy product is decided once a forward (cpu_math.enabled): on the CPU with it on,
+    every SwiGLU layer's MLP takes it; on a GPU each layer calls mlx-lm's MLP itself, never
+    asking, and the logits are the same."""
+    from families import FIXTURES
+
+    from mlx_dflash.engine import device
+    from mlx_dflash.engine.contract import Pass
+    from mlx_dflash.models import families
+    from mlx_dflash.models.target import load_target
+
+    target = load_target(FIXTURES["qwen3"](tmp_path))
+    tokens = mx.array([5, 17, 3, 88, 41, 9, 120, 64])
+
+    def logits():
+        return np.array(target.forward([Pass(tokens, target.make_cache(), 0)])[0][0])
+
+    numpy_math("0")
+    plain = logits()
+    numpy_math("1")
+    asked, products = [], []
+    real_enabled, real_mul = cpu_math.enabled, cpu_math.silu_mul
+
+    def enabled(*value):  # a forward asks with no value; applies() passes the setting's
+        if not value:
+            asked.append(1)
+        return real_enabled(*value)
+
+    monkeypatch.setattr(cpu_math, "enabled", enabled)
+    monkeypatch.setattr(cpu_math, "silu_mul", lambda g, u: products.append(1) or real_mul(g, u))
+    if where == "metal":
+        monkeypatch.setattr(device, "device_class", lambda: "metal")
+        monkeypatch.setattr(families, "feed_forward", lambda *a: pytest.fail("asked per layer"))
+    got = logits()
+    assert len(asked) == 1
+    assert len(products) == (target.num_layers if where == "cpu" else 0)
+    np.testing.assert_allclose(got, plain, rtol=1e-4, atol=1e-4)
