@@ -69,9 +69,15 @@ def layer_applies(target, i: int, h: mx.array, numpy: bool = True) -> bool:
     return not (numpy and numpy_mlp(ffn_of(target.layers[i]), h.shape[1], h.dtype))
 
 
-def layer(target, i: int, h: mx.array, span) -> mx.array:
-    """Layer i over h (1, T, H), a lone pass (a causal block or a tree): the compiled halves
-    around the cache."""
+def traced_at(span) -> mx.array:
+    """What the halves trace their RoPE over, once a forward: a tree's positions (T,), else
+    the pass's start (0-d)."""
+    return span.positions if span.positions is not None else mx.array(span.p.start, mx.int32)
+
+
+def layer(target, i: int, h: mx.array, span, at: mx.array) -> mx.array:
+    """Layer i over h (1, T, H), a lone pass (a causal block or a tree) at `at` (`traced_at`):
+    the compiled halves around the cache."""
     lay = target.layers[i]
     fns = target.compiled_layers.get(i)
     if fns is None or fns[0] is not lay:  # (a module swapped since is traced anew)
@@ -90,7 +96,6 @@ def layer(target, i: int, h: mx.array, span) -> mx.array:
         target.compiled_layers[i] = fns
     _, before, after = fns
     p = span.p
-    at = span.positions if span.positions is not None else mx.array(p.start, dtype=mx.int32)
     q, k, v, *gate = before(h, at)
     out = attend_cached(lay.self_attn, q, k, v, p.cache[i], p.start, span.positions,
                         span.parents, span.masks, target.windows[i])  # fmt: skip

@@ -95,10 +95,11 @@ def run_layers(target, h: mx.array, layers, spans: list[Span]) -> tuple[mx.array
     # A verify's layers are queued one by one where that measured faster (models/queueing.py)
     queue = target.queue_layers and any(r.p.rewindable for r in spans)
     compile_ = compiled.applies(target, spans, h)  # a repeating shape (models/compiled.py)
+    at = compiled.traced_at(spans[0]) if compile_ else None
     numpy = cpu_math.enabled()  # whether an MLP may take numpy's exponentials (a CPU trick)
     for i in layers:
-        if compile_ and compiled.layer_applies(target, i, h, numpy):
-            h = compiled.layer(target, i, h, spans[0])
+        if at is not None and compiled.layer_applies(target, i, h, numpy):
+            h = compiled.layer(target, i, h, spans[0], at)
         else:
             layer = target.layers[i]
             mix = _mixer(target, i, spans, positions)
