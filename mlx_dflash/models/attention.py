@@ -235,8 +235,7 @@ def _attend(attn, q, keys, values, start, positions, parents, masks, window, hel
     """Attention of (1, heads, T, D) queries over the held keys: causal or tree, within a
     sliding window, with sink logits; MLX's fused attention unless the tree kernel or the CPU
     path applies (no sinks, equal key and value widths)."""
-    T, fixed = q.shape[2], facts(attn)
-    scale, sinks = fixed.scale, None if fixed.sinks is None else attn[fixed.sinks]
+    T, scale, sinks = q.shape[2], _scale(attn), _sinks(attn)
     if window is not None and start + T > window:  # a query may be past some cached key
         if "window" not in masks:  # the same for every sliding layer of this pass
             masks["window"] = window_mask(T, start, positions, parents, window)

@@ -90,7 +90,8 @@ def layer(target, i: int, h: mx.array, span, at: mx.array) -> mx.array:
             return (q, k, v) if gate is None else (q, k, v, gate)
 
         def after(h, out, *gate):
-            return mlp_half(lay, h + _output(attn, out, gate[0] if gate else None))
+            # (layer_applies: no numpy exponentials at this width, so mlx-lm's MLP itself)
+            return mlp_half(lay, h + _output(attn, out, gate[0] if gate else None), ffn_of(lay))
 
         fns = (lay, mx.compile(before, inputs=lay.state), mx.compile(after, inputs=lay.state))
         target.compiled_layers[i] = fns

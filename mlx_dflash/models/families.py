@@ -65,13 +65,13 @@ def prenorm_block(layer, h, mix, ffn):
     """The common decoder layer: pre-norm attention and MLP (or MoE), each added back.
     `mix` runs the layer's token mixer (attention, Gated DeltaNet, MLA) under verification,
     `ffn` its feed-forward as this forward computes it (`layer_ffn`)."""
-    h = h + mix(layer.input_layernorm(h))
+    return mlp_half(layer, h + mix(layer.input_layernorm(h)), ffn)
+
+
+def mlp_half(layer, h, ffn):
+    """A pre-norm layer's second half: h plus its feed-forward `ffn` of the post-attention
+    norm."""
     return h + ffn(layer.post_attention_layernorm(h))
-
-
-def mlp_half(layer, h):
-    """A pre-norm layer's second half: h plus its MLP (or MoE) of the post-attention norm."""
-    return h + feed_forward(ffn_of(layer), layer.post_attention_layernorm(h))
 
 
 def ffn_of(layer):
@@ -99,11 +99,10 @@ def feed_forward(ffn, x: mx.array) -> mx.array:
 
 
 def numpy_mlp(ffn, rows: int, dtype: mx.Dtype) -> bool:
-    """Whether `ffn` over `rows` tokens takes numpy's exponentials (a CPU trick that syncs).
-    A target's bf16 / f16 activations (a Mac's quantized models) answer at the first test."""
-    if dtype != mx.float32 or type(ffn) not in SWIGLU_MLPS:
-        return False
-    return cpu_math.applies(rows * ffn["gate_proj"]["weight"].shape[0], dtype)
+    """Whether `ffn` over `rows` tokens takes numpy's exponentials (a CPU trick that syncs)."""
+    return type(ffn) in SWIGLU_MLPS and cpu_math.applies(
+        rows * ffn["gate_proj"]["weight"].shape[0], dtype
+    )
 
 
 def sandwich_block(layer, h, mix, ffn):
