@@ -33,7 +33,10 @@ class PathDrafts:
         drafts = mx.array(self.tokens, dtype=mx.int32)
         return drafts, None if key is None else mx.softmax(self.logits, axis=-1)
 
-    def tree(self, root: int, budget: int, branching: int, temperature: float) -> Tree:
+    def queue(self, budget, branching, temperature, constrained):
+        """Nothing to compute on the device: the path is known."""
+
+    def tree(self, root: int, budget: int, branching: int | None, temperature: float) -> Tree:
         return graft(root_only(root), [self.tokens[:budget]], log_prob=-0.5)
 
     def constrained_tree(self, root, budget, branching, temperature, grammar, tokens_left, cut):

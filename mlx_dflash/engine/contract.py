@@ -82,9 +82,15 @@ class Proposal(Protocol):
         which the acceptance rule divides by."""
         ...
 
-    def tree(self, root: int, budget: int, branching: int, temperature: float) -> Any:
+    def queue(self, budget: int, branching: int | None, temperature: float, constrained: bool):
+        """Queue the pass (mx.async_eval) with what the tree of these arguments will read
+        from the device, so that one wait finds it computed (the host looks for lookup
+        branches meanwhile)."""
+        ...
+
+    def tree(self, root: int, budget: int, branching: int | None, temperature: float) -> Any:
         """The best-first tree (engine/tree.py Tree) of at most budget + 1 nodes after
-        `root`, at most `branching` children a node."""
+        `root`, at most `branching` children a node (None: no limit)."""
         ...
 
     def constrained_tree(

@@ -177,21 +177,25 @@ class DDTree:
         return tree, n_drafted, chains, t_build, pruned, t_pass
 
     def _propose(self, drafter: Drafter, last: int, start: int, n: int) -> tuple[Proposal, float]:
-        """The drafter's pass, queued (mx.async_eval), and its graph's build time.
-        A tree of max_budget nodes is at most max_budget deep: deeper slots' logits would go
-        unused, and the LM head over them is most of the drafter's time on a CPU."""
+        """The drafter's pass, queued (mx.async_eval) with what its tree will read, and its
+        graph's build time. A tree of max_budget nodes is at most max_budget deep: deeper
+        slots' logits would go unused, and the LM head over them is most of the drafter's time
+        on a CPU."""
         t0 = time.perf_counter()
-        proposal = drafter.propose(last, start, min(n, self.policy.max_budget))
-        mx.async_eval(proposal.logits)
+        max_b = self.policy.max_budget
+        proposal = drafter.propose(last, start, min(n, max_b))
+        proposal.queue(max_b, self.branching, self._temperature(), self.grammar is not None)
         return proposal, time.perf_counter() - t0
+
+    def _temperature(self) -> float:
+        """The temperature a tree's path probabilities are taken at."""
+        return self.sampling.temperature if not self.sampling.greedy else 1.0
 
     def _drafter_tree(self, proposal: Proposal, last: int, tokens_left: int) -> tuple[Tree, int]:
         """The drafter's best-first tree, cut by the budget policy: (tree, nodes pruned)."""
-        max_b, grammar = self.policy.max_budget, self.grammar
-        temp = self.sampling.temperature if not self.sampling.greedy else 1.0
+        max_b, grammar, temp = self.policy.max_budget, self.grammar, self._temperature()
         if grammar is None:
-            k = min(self.branching or max_b, max_b)
-            return self.policy.cut(proposal.tree(last, max_b, k, temp)), 0
+            return self.policy.cut(proposal.tree(last, max_b, self.branching, temp)), 0
         # Under a grammar: only what it allows, and its forced runs as certain nodes.
         return proposal.constrained_tree(
             last, max_b, self.branching, temp, grammar, tokens_left, self.policy.cut

@@ -13,7 +13,9 @@ A CPU trick asks `device_class() == "cpu"`, never "not Metal", so it never runs 
 
 Queueing a pass whole is not a per-class choice: every device queues the drafter's pass
 (`mx.async_eval`) and does its host work meanwhile (the verify's graph in a block round, the
-lookup branch search in a tree round), as mlx-lm's and z-lab's loops do. On a GPU the device
+lookup branch search in a tree round), as mlx-lm's and z-lab's loops do. A tree round queues
+with the pass what its tree reads (Proposal.queue: on a GPU each depth's top candidates, and a
+DFlash 2 lattice's scores), so its wait finds them computed. On a GPU the device
 computes while Python runs; on the CPU backend MLX's evaluation thread takes the other core,
 and measured paired on this bench (docs/host-time.md) it was 1-4% faster, never slower.
 

@@ -120,14 +120,25 @@ class LatticeDrafts:
 
     logits: mx.array  # (n, V)
     lattice: Lattice
+    queued: tuple[float, list[mx.array]] | None = None  # (temperature, tree_inputs), queued
 
     def chain(self, sampling: SamplingParams, key: mx.array | None):
         if key is None:
             return self.lattice.greedy(), None
         return self.lattice.sample(sampling.temperature, key, self.logits.shape[-1])
 
-    def tree(self, root: int, budget: int, branching: int, temperature: float) -> Tree:
-        return lattice_tree(root, self.lattice, budget, branching, temperature)[0]
+    def queue(self, budget: int, branching: int | None, temperature: float, constrained: bool):
+        """The pass queued with every score the tree reads, so the tree waits once, for what
+        the device computed while the host looked for lookup branches."""
+        self.queued = (temperature, tree_inputs(self.lattice, temperature))
+        mx.async_eval(self.logits, *self.queued[1])
+
+    def _inputs(self, temperature: float) -> list[mx.array] | None:
+        return self.queued[1] if self.queued and self.queued[0] == temperature else None
+
+    def tree(self, root: int, budget: int, branching: int | None, temperature: float) -> Tree:
+        inputs = self._inputs(temperature)
+        return lattice_tree(root, self.lattice, budget, branching, temperature, None, inputs)[0]
 
     def constrained_tree(
         self,
@@ -141,8 +152,17 @@ class LatticeDrafts:
     ) -> tuple[Tree, int]:
         """The lattice's tree of what the grammar allows, cut, and its forced run at the root."""
         k = min(branching or budget, budget)
-        tree, pruned = lattice_tree(root, self.lattice, budget, k, temperature, grammar)
+        inputs = self._inputs(temperature)
+        tree, pruned = lattice_tree(root, self.lattice, budget, k, temperature, grammar, inputs)
         return with_certain_run(cut(tree), grammar, min(tokens_left, budget)), pruned
+
+
+def tree_inputs(lattice: Lattice, temperature: float) -> list[mx.array]:
+    """What lattice_tree reads from the device, in one wait: the candidates, their scores and
+    the mass off them (on the CPU, the logits that numpy sums)."""
+    f32 = mx.float32
+    off_parts = [] if lattice.logits is None else lattice.off_parts(temperature, on_cpu())
+    return [lattice.cand, lattice.first.astype(f32), lattice.pairs.astype(f32), *off_parts]
 
 
 def lattice_tree(
@@ -152,6 +172,7 @@ def lattice_tree(
     branching: int | None = None,
     temperature: float = 1.0,
     grammar: Grammar | None = None,
+    inputs: list[mx.array] | None = None,
 ) -> tuple[Tree, int]:
     """Best-first over the lattice's paths (tree.best_first): the `budget` most probable
     prefixes under the selector's chain distribution (log softmax(score / T) along the path,
@@ -159,13 +180,10 @@ def lattice_tree(
     parents first, at most `branching` children a node. A node's state is its candidate index;
     its children are the next position's candidates in the order of `pairs[depth][index]`.
     Under a grammar, only what it allows (its forced runs are the caller's: a forced token has
-    no candidate index to continue from). Returns (tree, candidates the grammar refused).
+    no candidate index to continue from). `inputs`: tree_inputs, already queued. Returns (tree,
+    candidates the grammar refused).
     """
-    f32 = mx.float32
-    off_parts = [] if lattice.logits is None else lattice.off_parts(temperature, on_cpu())
-    cand, first, pairs, *parts = read(
-        lattice.cand, lattice.first.astype(f32), lattice.pairs.astype(f32), *off_parts
-    )  # one wait for all of them
+    cand, first, pairs, *parts = read(*(inputs or tree_inputs(lattice, temperature)))
     n, k = cand.shape
     k = min(k, branching or k)
     first = first.astype(np.float64) / temperature

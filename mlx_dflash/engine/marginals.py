@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 
+from .device import on_cpu
 from .grammar import Grammar
 from .sampling import SamplingParams, device_probs
-from .tree import Tree, best_first, build_tree, marginal_child, top_candidates
+from .tree import Tree, best_first, build_tree, device_top, marginal_child, read_top, top_candidates
 
 GRAMMAR_CANDIDATES = 8  # per depth, for a chain under a grammar (drafts it forbids are skipped)
 
@@ -25,6 +27,7 @@ GRAMMAR_CANDIDATES = 8  # per depth, for a chain under a grammar (drafts it forb
 @dataclass
 class Marginals:
     logits: mx.array  # (n, V) for the n positions after the last token
+    queued: tuple[int, Any] | None = None  # (width, device_top's lazy arrays), queued
 
     def chain(self, sampling: SamplingParams, key: mx.array | None):
         if key is None:
@@ -32,8 +35,24 @@ class Marginals:
         q = device_probs(self.logits, sampling)
         return mx.random.categorical(mx.log(q), key=key).astype(mx.int32), q
 
-    def tree(self, root: int, budget: int, branching: int, temperature: float) -> Tree:
-        cand_tok, cand_lp = top_candidates(self.logits, branching)
+    def queue(self, budget: int, branching: int | None, temperature: float, constrained: bool):
+        """On a GPU the tree's top candidates are queued with the pass, so the device computes
+        them while the host looks for lookup branches and the tree waits once, for what is
+        done; on the CPU numpy takes them from the logits (tree.top_candidates)."""
+        if on_cpu():
+            mx.async_eval(self.logits)
+            return
+        k = _width(budget, branching, constrained)
+        self.queued = (k, device_top(self.logits, k))
+        mx.async_eval(self.logits, *self.queued[1])
+
+    def _candidates(self, k: int):
+        if self.queued is not None and self.queued[0] == k:
+            return read_top(self.queued[1])
+        return top_candidates(self.logits, k)
+
+    def tree(self, root: int, budget: int, branching: int | None, temperature: float) -> Tree:
+        cand_tok, cand_lp = self._candidates(_width(budget, branching, False))
         return build_tree(root, cand_tok, cand_lp, budget)
 
     def constrained_tree(
@@ -46,11 +65,17 @@ class Marginals:
         tokens_left: int,
         cut: Callable[[Tree], Tree],
     ) -> tuple[Tree, int]:
-        k = min(max(min(branching or budget, budget), GRAMMAR_CANDIDATES), budget)
-        cand_tok, cand_lp = top_candidates(self.logits, k)
+        cand_tok, cand_lp = self._candidates(_width(budget, branching, True))
         depth, width = cand_lp.shape
         child = marginal_child(cand_tok, cand_lp)
         tree, pruned = best_first(
             root, child, depth, width, budget, grammar, tokens_left, branching
         )
         return cut(tree), pruned
+
+
+def _width(budget: int, branching: int | None, constrained: bool) -> int:
+    """Candidates a depth a tree reads: the branching (at most the budget), and under a
+    grammar at least GRAMMAR_CANDIDATES, since it skips what the grammar forbids."""
+    k = min(branching or budget, budget)
+    return min(max(k, GRAMMAR_CANDIDATES), budget) if constrained else k

@@ -131,7 +131,7 @@ def top_candidates(
     k = min(k, logits.shape[-1])
     if on_host:
         return _top_on_host(read(logits.astype(mx.float32))[0], k)
-    return _top_on_device(logits.astype(mx.float32), k)
+    return read_top(device_top(logits, k))
 
 
 def _top_on_host(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -148,7 +148,11 @@ def _top_on_host(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     )
 
 
-def _top_on_device(logits: mx.array, k: int) -> tuple[np.ndarray, np.ndarray]:
+def device_top(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """top_candidates as lazy device arrays (tokens, log-probs), for a caller that queues them
+    (engine/marginals.py Marginals.queue) before read_top reads them."""
+    logits = logits.astype(mx.float32)
+    k = min(k, logits.shape[-1])
     lse = mx.logsumexp(logits, axis=-1, keepdims=True)
     if k < logits.shape[-1]:
         idx = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k]
@@ -156,9 +160,12 @@ def _top_on_device(logits: mx.array, k: int) -> tuple[np.ndarray, np.ndarray]:
         idx = mx.broadcast_to(mx.arange(logits.shape[-1]), logits.shape)
     vals = mx.take_along_axis(logits, idx, axis=-1) - lse
     order = mx.argsort(-vals, axis=-1)
-    tokens, lps = read(
-        mx.take_along_axis(idx, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
-    )
+    return mx.take_along_axis(idx, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
+
+
+def read_top(top: tuple[mx.array, mx.array]) -> tuple[np.ndarray, np.ndarray]:
+    """device_top's arrays on the host, after one wait."""
+    tokens, lps = read(*top)
     return tokens, lps.astype(np.float64)
 
 
