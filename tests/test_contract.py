@@ -82,7 +82,7 @@ def test_the_type_check_catches_a_drafter_that_breaks_the_contract(tmp_path):
         "    def propose(self, last_token: int, start: int) -> mx.array: ...\n\n\n"
         "_check: type[Drafter] = Half\n"
     )
-    # The repository's mypy cache (the check above fills it): a fresh one costs ~40 s here.
+    # The repository's mypy cache (the check above fills it): a fresh one costs ~10 s here.
     done = mypy(str(bad))
     assert done.returncode == 1 and "type[Drafter]" in done.stdout, done.stdout
 
