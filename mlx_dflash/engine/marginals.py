@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import mlx.core as mx
 
@@ -27,7 +26,7 @@ GRAMMAR_CANDIDATES = 8  # per depth, for a chain under a grammar (drafts it forb
 @dataclass
 class Marginals:
     logits: mx.array  # (n, V) for the n positions after the last token
-    queued: tuple[int, Any] | None = None  # (width, device_top's lazy arrays), queued
+    queued: tuple[int, tuple[mx.array, mx.array]] | None = None  # (width, device_top)
 
     def chain(self, sampling: SamplingParams, key: mx.array | None):
         if key is None:
