@@ -245,6 +245,24 @@ def test_dflash2_lattice_trees_under_a_grammar(target):
         assert sum(r.pruned for r in rounds) > 0
 
 
+@pytest.mark.parametrize("kind", ["dflash", "lattice"])
+def test_a_constrained_tree_reads_what_was_queued(target, kind, monkeypatch):
+    """On a GPU a constrained tree reads the candidates queued with the drafter's pass: the
+    queue and the tree agree on their width (at least GRAMMAR_CANDIDATES a depth, where
+    --mode dflash's chain is a tree of branching 1 under a grammar). Exact."""
+    from test_syncs import queued_reads
+
+    want = reference(target, SPEC)
+    target.set_taps([1, 3])
+    found = queued_reads(monkeypatch, "metal")
+    oracle = LatticeOracle if kind == "lattice" else OracleDrafter
+    drafter = oracle(PROMPT + want, target.vocab_size, block_size=8, corrupt=0.4, seed=3)
+    for mode in ("ddtree", "dflash"):
+        got, rounds = run(target, drafter, mode=mode, budget=16)
+        assert got == want and sum(r.pruned for r in rounds) > 0, mode
+    assert len(found) > 6 and all(found), found
+
+
 def test_certain_runs_without_a_drafter(target):
     """A constant in the schema is a run the grammar forces: lookup mode, with nothing to look
     up, still verifies it in one pass as certain drafts, and every one is accepted."""

@@ -127,21 +127,15 @@ def test_every_round_kind_waits_for_the_device_as_documented(case, target, truth
     assert counted > 3 and out == truth
 
 
-@pytest.mark.parametrize("kind", ["dflash", "lattice"])
-@pytest.mark.parametrize("device", ["metal", "gpu"])
-def test_a_tree_reads_what_was_queued_with_the_drafters_pass(device, kind, target, truth,
-                                                             monkeypatch):  # fmt: skip
-    """On a GPU a tree round queues, with the drafter's pass, what its tree reads from the
-    device (DFlash: each depth's top candidates; DFlash 2: the lattice's scores), so the
-    device computes them while the host looks for lookup branches, and the round's first
-    wait is for arrays already queued, not for a graph submitted only then. Same output."""
+def queued_reads(monkeypatch, device: str) -> list[bool]:
+    """On a simulated `device` from now on, one entry a tree's device read (engine/tree.py,
+    engine/lattice.py): whether every array it read had been queued (mx.async_eval) before."""
     from mlx_dflash.engine import lattice, tree
 
     monkeypatch.setattr(engine_device, "device_class", lambda: device)
-    monkeypatch.setattr(target, "queue_layers", False)
     queued: set[int] = set()
     kept: list[mx.array] = []  # (alive, so that no later array takes a queued one's id)
-    reads: list[list[int]] = []
+    found: list[bool] = []
     real_async, real_read = mx.async_eval, engine_device.read
 
     def async_eval(*arrays):
@@ -150,17 +144,31 @@ def test_a_tree_reads_what_was_queued_with_the_drafters_pass(device, kind, targe
         return real_async(*arrays)
 
     def read(*arrays, **kw):
-        reads.append([id(a) for a in arrays])
+        found.append(all(id(a) in queued for a in arrays))
         return real_read(*arrays, **kw)
 
     monkeypatch.setattr(mx, "async_eval", async_eval)
     for module in (tree, lattice):
         monkeypatch.setattr(module, "read", read)
+    return found
+
+
+@pytest.mark.parametrize("kind", ["dflash", "lattice"])
+@pytest.mark.parametrize("device", ["metal", "gpu"])
+def test_a_tree_reads_what_was_queued_with_the_drafters_pass(device, kind, target, truth,
+                                                             monkeypatch):  # fmt: skip
+    """On a GPU a tree round queues, with the drafter's pass, what its tree reads from the
+    device (DFlash: each depth's top candidates; DFlash 2: the lattice's scores), so the
+    device computes them while the host looks for lookup branches, and the round's first
+    wait is for arrays already queued, not for a graph submitted only then. Same output.
+    (Under a grammar: tests/test_grammar.py.)"""
+    monkeypatch.setattr(target, "queue_layers", False)
+    found = queued_reads(monkeypatch, device)
     session = Session(target, drafter_of(kind, target, truth))
     cfg = GenerationConfig(max_tokens=N, mode="ddtree", budget=16, lookup=6)
     out = [t for r in generate_rounds(session, PROMPT, cfg) for t in r.tokens]
     assert out == truth
-    assert len(reads) > 3 and all(set(r) <= queued for r in reads), (len(reads), device)
+    assert len(found) > 3 and all(found), (found, device)
 
 
 def test_batched_rows_wait_once_a_row_round(target, truth, waits, monkeypatch):
