@@ -7,12 +7,15 @@ tau ~5; a DFlash and a DFlash 2 one), where a verify costs well under a millisec
 table shows per round (medians over every decoding round of every prompt, after a warm-up):
 
 - round: the whole round's wall time; its spread (median / min) beside it;
-- draft / verify / host: the round's phases (Round.t_draft: drafter pass, tree and lookup;
-  t_verify: the verify's graph and its one sync; t_other: walk, commit, stats);
-- Python: of draft and verify, building MLX graphs (Round.t_build);
-- grammar: inside llguidance;
-- device: what the same verify and drafter pass cost with their graphs already built (timed
-  alone, evaluation only), so host = round - device is the host's share;
+- waits: the round's own waits for the device (its syncs, and on this CPU the part of a
+  queued pass MLX evaluates inside `mx.async_eval`);
+- host: round - waits, the host's work, split into
+  - graphs: building the MLX graphs of the target's forwards and the drafter's passes;
+  - tree & lookup: the draft tree from the drafter's candidates (top-k on the host here, a
+    CPU trick), the budget's cut, the lookup branch search and its graft;
+  - rest: everything else (the walk, the commit, the policy's books, the loop);
+  each measured outside the waits inside it;
+- llguidance: the grammar's own time (Round.t_grammar), inside tree & lookup and rest;
 - batched rows: one packed tick of 4 or 8 rows (wall per packed forward, and per row-round).
 
 Compiled layer halves are on (models/compiled.py: a GPU keeps them where they measured exact
@@ -63,7 +66,6 @@ from mlx_dflash import GenerationConfig, Session, generate_rounds, load_pair
 from mlx_dflash.engine.batch import run_rows
 from mlx_dflash.engine.grammar import GrammarSpec
 from mlx_dflash.models.drafter import DrafterRunner
-from mlx_dflash.engine.contract import Pass
 
 ANY_TEXT = GrammarSpec("regex", r"(?s:.{0,2000})")  # allows everything: the matcher's cost alone
 
@@ -86,13 +88,41 @@ def _timed(real):
     return wait
 
 
+# Host seconds by phase, outside the waits inside them; a call inside another timed one counts
+# for the outer one only.
+PHASES = {"graphs": 0.0, "tree": 0.0}
+_INSIDE = [False]
+
+
+def _phase(real, name: str):
+    def run(*args, **kwargs):
+        if _INSIDE[0]:
+            return real(*args, **kwargs)
+        _INSIDE[0] = True
+        t0, w0 = time.perf_counter(), WAITED[0]
+        try:
+            return real(*args, **kwargs)
+        finally:
+            _INSIDE[0] = False
+            PHASES[name] += time.perf_counter() - t0 - (WAITED[0] - w0)
+
+    return run
+
+
 def count_waits() -> None:
-    from mlx_dflash.engine import rounds
+    """Time every wait (WAITED) and the host's phases (PHASES) from now on."""
+    from mlx_dflash.engine import ddtree, rounds
+    from mlx_dflash.models.target import Target
 
     mx.eval = _timed(mx.eval)
     mx.async_eval = _timed(mx.async_eval)
     mx.array.item = _timed(mx.array.item)
     rounds.to_host = _timed(rounds.to_host)
+    Target.forward = _phase(Target.forward, "graphs")
+    DrafterRunner.propose = _phase(DrafterRunner.propose, "graphs")
+    for name in ("_drafter_tree", "_lookup_only", "_lookup_branches", "_cut_lookup"):
+        setattr(ddtree.DDTree, name, _phase(getattr(ddtree.DDTree, name), "tree"))
+    ddtree.graft = _phase(ddtree.graft, "tree")
 
 
 def cases(corpus: str) -> list[tuple[str, str, dict]]:
@@ -118,72 +148,50 @@ def greedy(target, ids, n):
     return [t for r in generate_rounds(Session(target), ids, cfg) for t in r.tokens]
 
 
-def device_ms(target, drafter, ids, tree_size: int, reps: int = 5) -> float:
-    """One verify of `tree_size` tokens and one drafter pass, graphs built first and timed
-    while they evaluate only (best of `reps`)."""
-    session = Session(target, drafter)
-    for _ in generate_rounds(session, ids, GenerationConfig(max_tokens=1, mode="ar")):
-        pass
-    start = len(session.tokens)
-    best = float("inf")
-    for _ in range(reps + 1):  # the first one warms up
-        toks = mx.array(ids[: max(1, tree_size)] * (tree_size // max(1, len(ids)) + 1))[:tree_size]
-        logits, taps = target.forward(
-            [Pass(toks, session.cache, start, parents=np.arange(-1, tree_size - 1))]
-        )[0]
-        props = drafter.propose(ids[-1], start, drafter.block_size - 1) if drafter else None
-        arrays = [logits, taps] + ([props.logits] if props is not None else [])
-        t0 = time.perf_counter()
-        mx.eval(arrays)
-        best = min(best, time.perf_counter() - t0)
-        session.commit([])
-    return 1000 * best
-
-
 def measure(pair, settings: dict, prompts, n: int, reps: int, truth) -> dict:
     target, drafter = pair
     cfg = GenerationConfig(max_tokens=n, **settings)
-    rounds, waited = [], []
+    rounds, waited, phases = [], [], []
     for rep in range(reps + 1):  # the first pass warms up (compiles, profiles, indexes)
         for ids, want in zip(prompts, truth, strict=True):
             got = []
             WAITED[0] = 0.0
+            PHASES.update(graphs=0.0, tree=0.0)
             for r in generate_rounds(Session(target, drafter), ids, cfg):
-                got.append((r, WAITED[0]))
+                got.append((r, WAITED[0], dict(PHASES)))
                 WAITED[0] = 0.0
-            out = [t for r, _ in got for t in r.tokens]
+                PHASES.update(graphs=0.0, tree=0.0)
+            out = [t for r, _, _ in got for t in r.tokens]
             if not settings.get("grammar"):
                 assert out == want, f"{settings}: not the target's greedy text"
             if rep:
-                kept = [(r, w) for r, w in got if not r.prefill and r.drafted]
-                rounds += [r for r, _ in kept]
-                waited += [w for _, w in kept]
+                kept = [g for g in got if not g[0].prefill and g[0].drafted]
+                rounds += [r for r, _, _ in kept]
+                waited += [w for _, w, _ in kept]
+                phases += [ph for _, _, ph in kept]
     if not rounds:
         return {}
 
-    def med(f):
-        return 1000 * float(np.median([f(r) for r in rounds]))
+    def ms(values) -> float:
+        return 1000 * float(np.median(values))
 
-    total = [r.t_draft + r.t_verify + r.t_other for r in rounds]
-    outside = [t - w for t, w in zip(total, waited, strict=True)]
-    size = int(np.median([r.drafted + 1 for r in rounds]))
-    dev = device_ms(target, drafter, prompts[0], size)
-    round_ms = 1000 * float(np.median(total))
+    total = np.array([r.t_draft + r.t_verify + r.t_other for r in rounds])
+    host = total - np.array(waited)
+    graphs = np.array([ph["graphs"] for ph in phases])
+    tree = np.array([ph["tree"] for ph in phases])
     return {
         "rounds": len(rounds),
         "tau": float(np.mean([r.accepted for r in rounds])),
-        "verify_tokens": size,
-        "round_ms": round_ms,
+        "verify_tokens": int(np.median([r.drafted + 1 for r in rounds])),
+        "round_ms": ms(total),
         "median_over_min": float(np.median(total) / np.min(total)),
-        "draft_ms": med(lambda r: r.t_draft),
-        "verify_ms": med(lambda r: r.t_verify),
-        "host_ms_after_verify": med(lambda r: r.t_other),
-        "python_graph_ms": med(lambda r: r.t_build),
-        "grammar_ms": med(lambda r: r.t_grammar),
-        "device_ms": dev,
-        "host_ms": round_ms - dev,
-        "host_outside_waits_ms": 1000 * float(np.median(outside)),
-        "host_outside_waits_min_ms": 1000 * float(np.min(outside)),
+        "waits_ms": ms(waited),
+        "host_outside_waits_ms": ms(host),
+        "graphs_ms": ms(graphs),
+        "tree_and_lookup_ms": ms(tree),
+        "rest_ms": ms(host - graphs - tree),
+        "grammar_ms": ms([r.t_grammar for r in rounds]),
+        "host_outside_waits_min_ms": 1000 * float(np.min(host)),
     }
 
 
@@ -258,32 +266,32 @@ def main() -> None:
             )
 
     table = Table(title=f"Host time per round, ms ({args.max_tokens} tokens, medians)")
-    cols = ("case", "tau", "tokens", "round", "med/min", "draft", "verify", "after",
-            "Python", "grammar", "device", "host", "host (waits)")  # fmt: skip
+    cols = ("case", "tau", "tokens", "round", "med/min", "waits", "host", "graphs",
+            "tree & lookup", "rest", "llguidance", "host min")  # fmt: skip
+    keys = ("round_ms", "median_over_min", "waits_ms", "host_outside_waits_ms", "graphs_ms",
+            "tree_and_lookup_ms", "rest_ms", "grammar_ms", "host_outside_waits_min_ms")  # fmt: skip
     for c in cols:
         table.add_column(c, justify="left" if c == "case" else "right")
     results = {}
     for label, kind, settings in cases(str(corpus)):
         r = measure(pairs[kind], settings, prompts[kind], args.max_tokens, args.reps, truth[kind])
         results[label] = r
-        if not r:
-            continue
-        table.add_row(label, f"{r['tau']:.2f}", str(r["verify_tokens"]),
-                      *(f"{r[k]:.2f}" for k in ("round_ms", "median_over_min", "draft_ms",
-                        "verify_ms", "host_ms_after_verify", "python_graph_ms", "grammar_ms",
-                        "device_ms", "host_ms", "host_outside_waits_ms")))  # fmt: skip
+        if r:
+            table.add_row(label, f"{r['tau']:.2f}", str(r["verify_tokens"]),
+                          *(f"{r[k]:.2f}" for k in keys))  # fmt: skip
     for rows in (4, 8):
         b = batched_tick(
             pairs["dflash"], prompts["dflash"], args.max_tokens, rows, {"mode": "dflash"}
         )
         results[f"batched tick, {rows} rows"] = b
-        table.add_row(f"batched DFlash, {rows} rows: per tick / per row-round", "", "",
-                      f"{b['tick_ms']:.2f}", "", "", "", "", "", "", "", f"{b['row_round_ms']:.2f}", "")  # fmt: skip
-    Console().print(table)
+        table.add_row(f"batched DFlash, {rows} rows: a tick / a row-round", "", "",
+                      f"{b['tick_ms']:.2f} / {b['row_round_ms']:.2f}")  # fmt: skip
+    # (not a terminal: wide enough that the table is not folded into unreadable columns)
+    Console(width=None if sys.stdout.isatty() else 170).print(table)
     print(
-        "round = draft + verify + after (walk, commit); Python = graph building inside draft "
-        "and verify; device = that verify and drafter pass evaluated alone; host = round - device; "
-        "host (waits) = round - the round's own waits for the device, measured inside the round"
+        "host = round - waits (the round's own waits for the device, measured inside it) = "
+        "graphs + tree & lookup + rest, each outside the waits inside it; llguidance is part of "
+        "tree & lookup and rest"
     )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
