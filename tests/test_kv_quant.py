@@ -123,6 +123,24 @@ def test_lookup_mode_equals_mlx_lm_too(target):
     assert out == ref
 
 
+@pytest.mark.parametrize("keep", [[0, 2, 3, 7], [0, 1, 2], [0], "device"])
+def test_compact_keeps_the_accepted_rows_in_order(keep):
+    """A float cache after a tree verify: the accepted rows follow the prefix in path order,
+    whether they move, are already the verify's first rows (a trim: nothing moves), or come
+    as a device array."""
+    rng = np.random.default_rng(1)
+    prefix, tree = (mx.array(rng.normal(size=(1, 2, n, 8)).astype(np.float32)) for n in (5, 9))
+    cache = KVCache()
+    cache.append(prefix, prefix)
+    cache.append(tree, 2 * tree)
+    path = [0, 3, 4] if keep == "device" else keep
+    cache.compact(5, mx.array(path, dtype=mx.int32) if keep == "device" else keep)
+    assert cache.offset == 5 + len(path)
+    keys, values = (a[:, :, : cache.offset] for a in cache.state_arrays)
+    assert mx.array_equal(keys, mx.concatenate([prefix, tree[:, :, path]], axis=2))
+    assert mx.array_equal(values, mx.concatenate([prefix, 2 * tree[:, :, path]], axis=2))
+
+
 def test_a_rewind_moves_whole_quantized_rows():
     """After a tree verify, compact keeps the accepted rows: each is exactly the quantization
     of that token's keys, as if the rejected ones had never been written, and the rows a

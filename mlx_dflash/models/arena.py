@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..kernels.cpu_attention import LOG2E, use_cpu_attention
-from .cache import KVCache
+from .cache import KVCache, in_place
 
 
 class KVArena:
@@ -148,10 +148,13 @@ class SlotCache:
 
     def compact(self, start: int, keep) -> None:
         """Keep rows start+keep[i] (increasing), moved to start+i (a tree's accepted path)."""
+        if in_place(keep):
+            self.offset = start + len(keep)
+            return
         keep = mx.array(keep, dtype=mx.int32) if not isinstance(keep, mx.array) else keep
         n, rows, s = keep.shape[0], start + keep, self.slot
         for buf in (self.arena.keys, self.arena.values):
-            buf[self.layer][s, :, start : start + n] = buf[self.layer][s][:, rows]
+            buf[self.layer][s, :, start : start + n] = mx.take(buf[self.layer][s], rows, axis=-2)
         self.offset = start + n
 
     @property

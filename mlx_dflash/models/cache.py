@@ -66,11 +66,14 @@ class KVCache:
         buffers = self.state_arrays
         if not buffers:
             return
+        if in_place(keep):
+            self.offset = start + len(keep)
+            return
         keep = mx.array(keep, dtype=mx.int32) if not isinstance(keep, mx.array) else keep
         n = keep.shape[0]
         rows = start + keep
-        for a in buffers:
-            a[..., start : start + n, :] = a[..., rows, :]
+        for a in buffers:  # (take, not a[..., rows, :]: its index parsing was ~4x the build)
+            a[..., start : start + n, :] = mx.take(a, rows, axis=-2)
         self.offset = start + n
 
     @property
@@ -92,6 +95,12 @@ class KVCache:
         self.offset = int(meta["offset"])
         if hasattr(self, "dropped"):
             self.dropped = int(meta["dropped"])
+
+
+def in_place(keep: mx.array | list[int]) -> bool:
+    """Whether a tree's kept nodes (a host list) are the verify's first rows 0..n-1, so that
+    compacting them is a trim: no row moves (a third of the default's tree rounds here)."""
+    return not isinstance(keep, mx.array) and list(keep) == list(range(len(keep)))
 
 
 class WindowedKVCache(KVCache):
