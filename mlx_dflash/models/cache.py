@@ -301,9 +301,9 @@ class QuantizedKVCache(KVCache):
             )
         for buf, new in ((k_buf, self.quantize(keys)), (v_buf, self.quantize(values))):
             for a, b in zip(buf, new, strict=True):
-                a[..., self.offset : needed, :] = b
+                a[:, :, self.offset : needed] = b  # (1, heads, positions, words): as KVCache
         self.offset = needed
-        return [a[..., :needed, :] for a in k_buf], [a[..., :needed, :] for a in v_buf]
+        return [a[:, :, :needed] for a in k_buf], [a[:, :, :needed] for a in v_buf]
 
     def _to_quantized(self) -> None:
         assert self.keys is not None and self.values is not None
@@ -398,7 +398,7 @@ class ContextCache(KVCache):
         k, v = KVCache.append(self, keys, values)  # never cut the buffer under a block
         self.offset -= keys.shape[2]
         first = self.offset - self.visible
-        return k[..., first:, :], v[..., first:, :]
+        return k[:, :, first:], v[:, :, first:]
 
     def trim(self, length: int) -> None:
         """Keep the positions before `length` (absolute)."""
