@@ -57,8 +57,9 @@ class Tree:
     def children(self) -> list[dict[int, int]]:
         """Per node: token -> child index (siblings carry distinct tokens)."""
         kids: list[dict[int, int]] = [{} for _ in self.tokens]
-        for i in range(1, len(self.tokens)):
-            kids[self.parents[i]][int(self.tokens[i])] = i
+        parents, tokens = self.parents.tolist(), self.tokens.tolist()  # (not numpy scalars)
+        for i in range(1, len(tokens)):
+            kids[parents[i]][tokens[i]] = i
         return kids
 
 
@@ -70,9 +71,9 @@ def graft(
     log-probability `log_prob` per token (they are not the drafter's), and are marked
     `certain` (grammar drafts) or not."""
     kids = tree.children()
-    tokens, parents = list(tree.tokens), list(tree.parents)
-    depths, lps = list(tree.depths), list(tree.log_probs)
-    sure = list(tree.is_certain())
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    depths, lps = tree.depths.tolist(), tree.log_probs.tolist()
+    sure = tree.is_certain().tolist()
     for chain in chains:
         node = 0
         for tok in chain:
