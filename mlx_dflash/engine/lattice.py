@@ -191,17 +191,19 @@ def lattice_tree(
     off = lattice.off_from(parts, temperature) if parts else np.full(n, -np.inf)
     first_lp = _log_softmax(first, off[0])
     pairs_lp = _log_softmax(pairs, off[1:, None, None]) if n > 1 else pairs
-    first_order = np.argsort(-first_lp, kind="stable")
-    pairs_order = np.argsort(-pairs_lp, axis=-1, kind="stable")
+    # As lists: the heap asks a few hundred single entries, each a numpy scalar otherwise.
+    first_order = np.argsort(-first_lp, kind="stable").tolist()
+    pairs_order = np.argsort(-pairs_lp, axis=-1, kind="stable").tolist()
+    tokens, first_lps, pairs_lps = cand.tolist(), first_lp.tolist(), pairs_lp.tolist()
 
     def child(depth: int, parent_idx: int | None, rank: int) -> tuple[int, float, int]:
         """The rank-th best child at `depth` of a parent holding candidate `parent_idx` at
         depth - 1 (None: the anchor, at depth 0): (token, log-prob, its candidate index)."""
         if depth == 0:
-            j = int(first_order[rank])
-            return int(cand[0, j]), float(first_lp[j]), j
-        j = int(pairs_order[depth - 1, parent_idx, rank])
-        return int(cand[depth, j]), float(pairs_lp[depth - 1, parent_idx, j]), j
+            j = first_order[rank]
+            return tokens[0][j], first_lps[j], j
+        j = pairs_order[depth - 1][parent_idx][rank]
+        return tokens[depth][j], pairs_lps[depth - 1][parent_idx][j], j
 
     return best_first(root, child, n, k, budget, grammar, runs=False)
 
