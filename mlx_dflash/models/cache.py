@@ -101,7 +101,8 @@ class KVCache:
 
 def in_place(keep: mx.array | list[int]) -> bool:
     """Whether a tree's kept nodes (a host list) are the verify's first rows 0..n-1, so that
-    compacting them is a trim: no row moves (a third of the default's tree rounds here)."""
+    compacting them is a trim: no row moves (a third of the default configuration's tree
+    rounds on the planted case, docs/host-time.md)."""
     return not isinstance(keep, mx.array) and list(keep) == list(range(len(keep)))
 
 
