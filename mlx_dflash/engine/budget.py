@@ -401,8 +401,8 @@ class AutoBudget:
         # The drafter's nodes at its calibrated confidence, grammar drafts as certain.
         base = expected_tokens(tree, self.calibration if drafted else 1.0)[-1]
         sizes = graft_sizes(tree, chains)  # the grafted tree's size at each cut length
-        gains = [base] + [base + lookup_stats.expected(n) for n in range(1, len(sizes))]
-        rates = np.asarray(gains) / (self.overhead + self.costs().cost(sizes))
+        gains = base + np.asarray(lookup_stats.expected_each(len(sizes) - 1))
+        rates = gains / (self.overhead + self.costs().cost(sizes))
         best = int(np.argmax(rates))  # the shortest of the best (0: none pays)
         return [c[:best] for c in chains] if best else []
 

@@ -96,5 +96,13 @@ class LookupStats:
 
     def expected(self, length: int) -> float:
         """Expected lookup tokens accepted from a chain of `length` tokens."""
-        r = self.rate
-        return sum(r**d for d in range(1, length + 1))
+        return self.expected_each(length)[-1]
+
+    def expected_each(self, length: int) -> list[float]:
+        """`expected` at every length 0..length, in one pass (r + r^2 + ... + r^n)."""
+        r, term, total, out = self.rate, 1.0, 0.0, [0.0]
+        for _ in range(length):
+            term *= r
+            total += term
+            out.append(total)
+        return out

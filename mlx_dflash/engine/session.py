@@ -217,7 +217,9 @@ class Session:
                 c.compact(start, path)
         self.tokens.extend(kept)
         if self.drafter is not None and taps is not None:
-            self.drafter.add_context(taps[: len(kept)] if path is None else taps[mx.array(path)])
+            # (a path of the verify's first rows is a prefix: a slice, not a gather)
+            linear = path is None or list(path) == list(range(len(path)))
+            self.drafter.add_context(taps[: len(kept)] if linear else taps[mx.array(path)])
 
     def mark_prompt_end(self) -> None:
         """Recurrent layers remember this point, so a later turn can rewind to it."""

@@ -197,7 +197,9 @@ def best_first(
     tokens_left = budget if tokens_left is None else tokens_left
     limit = min(depth, tokens_left)
     nodes = _Nodes(root, paths=grammar is not None)
-    heap: list[tuple[float, int, int, int]] = []  # (-path log-prob, depth, rank, parent)
+    # (-path log-prob, depth, rank, parent, the candidate): (depth, rank, parent) is unique, so
+    # the candidate is carried, never compared, and each is asked for once
+    heap: list[tuple[float, int, int, int, tuple]] = []
     refused = 0
 
     def open_(node: int) -> None:
@@ -212,16 +214,15 @@ def best_first(
             for t in run if runs else ():
                 node = nodes.add(t, node, lps[node], None, True)
         if dep[node] < limit and budget > 0:
-            lp = child(dep[node], nodes.state[node], 0)[1]
-            heapq.heappush(heap, (-lps[node] - lp, dep[node], 0, node))
+            c = child(dep[node], nodes.state[node], 0)
+            heapq.heappush(heap, (-lps[node] - c[1], dep[node], 0, node, c))
 
     open_(0)
     while heap and len(nodes.dep) <= budget:
-        neg, d, r, parent = heapq.heappop(heap)
-        t, lp, st = child(d, nodes.state[parent], r)
+        neg, d, r, parent, (t, lp, st) = heapq.heappop(heap)
         if r + 1 < width:
-            lp_next = child(d, nodes.state[parent], r + 1)[1]
-            heapq.heappush(heap, (neg + lp - lp_next, d, r + 1, parent))
+            c = child(d, nodes.state[parent], r + 1)
+            heapq.heappush(heap, (neg + lp - c[1], d, r + 1, parent, c))
         if branching is not None and nodes.kids[parent] >= branching:
             continue
         if grammar is not None and not grammar.allowed(nodes.paths[parent], t):
