@@ -187,10 +187,43 @@ def random_lattice(seed: int, n: int, k: int) -> Lattice:
     return Lattice(mx.array(cand), mx.array(first), mx.array(pairs))
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_greedy_chain_is_the_selectors_walk(seed):
-    lat = random_lattice(seed, 7, 5)
+@pytest.mark.parametrize("seed, n, k", [(0, 7, 5), (1, 7, 5), (2, 1, 5), (3, 15, 8)])
+def test_greedy_chain_is_the_selectors_walk(seed, n, k):
+    lat = random_lattice(seed, n, k)
     assert np.array(lat.greedy()).tolist() == zlab_chain(lat)
+
+
+def sample_row_by_row(lat: Lattice, temperature: float, key: mx.array, vocab: int):
+    """Lattice.sample as the selector draws it, one position at a time: each position's q is
+    the softmax of its own row given the candidate drawn before it."""
+    chosen, q_rows = [], []
+    for t, key_t in enumerate(mx.random.split(key, lat.depth)):
+        row = lat.first if t == 0 else mx.take(lat.pairs[t - 1], chosen[-1], axis=0)
+        q = mx.softmax(row.astype(mx.float32) / temperature, axis=-1)
+        chosen.append(mx.random.categorical(mx.log(q), key=key_t))
+        q_rows.append(q)
+    idx = mx.stack(chosen)[:, None]
+    drafts = mx.take_along_axis(lat.cand, idx, axis=-1)[:, 0]
+    dense = mx.put_along_axis(
+        mx.zeros((lat.depth, vocab), mx.float32), lat.cand, mx.stack(q_rows), axis=-1
+    )
+    return drafts, dense
+
+
+@pytest.mark.parametrize("n, k, dtype", [(7, 5, "float32"), (1, 4, "float32"), (15, 8, "bfloat16")])
+def test_sampled_chain_is_the_row_by_row_draw_bit_for_bit(n, k, dtype):
+    """The chain's q for every edge is computed at once and its rows picked: the same drafts
+    and the same q, to the bit, as drawing row by row with the same keys."""
+    for seed in range(5):
+        lat = random_lattice(seed, n, k)
+        dt = getattr(mx, dtype)
+        lat = Lattice(lat.cand, lat.first.astype(dt), lat.pairs.astype(dt))
+        for temperature in (0.7, 1.0, 1.6):
+            key = mx.random.key(100 * seed + int(10 * temperature))
+            drafts, q = lat.sample(temperature, key, 64)
+            ref_drafts, ref_q = sample_row_by_row(lat, temperature, key, 64)
+            assert np.array(drafts).tolist() == np.array(ref_drafts).tolist()
+            assert np.array_equal(np.array(q), np.array(ref_q))
 
 
 @pytest.mark.parametrize("seed", range(6))
