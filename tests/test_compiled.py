@@ -213,8 +213,13 @@ def test_the_drafters_compiled_pass_is_its_plain_one(kind, can_compile, no_numpy
         session = Session(target, runner)
         first, _ = run(session, prompt, max_tokens=1)  # (the prompt's taps in its context)
         props = runner.propose(first[-1], len(session.tokens), runner.block_size - 1)
-        results.append((out, taus, np.array(props.logits)))
+        lat = getattr(props, "lattice", None)  # DFlash 2's selector: compiled with the layers
+        scores = [] if lat is None else [np.array(a) for a in (lat.cand, lat.first, lat.pairs)]
+        results.append((out, taus, np.array(props.logits), scores))
     assert results[0][0] == results[1][0] == mlx_lm_greedy(target, prompt, N)
     assert results[0][1] == results[1][1]
     assert np.array_equal(results[0][2], results[1][2])
+    assert all(np.array_equal(a, b) for a, b in zip(*(r[3] for r in results), strict=True))
+    if kind == "dflash2":
+        assert runner.drafter.candidate_selector.__dict__.get("_dflash_compiled") is not None
     assert runner.drafter.layers[0].__dict__.get("_dflash_compiled") is not None

@@ -67,21 +67,37 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Embedding(vocab_size, rank)
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
 
-    def lattice(self, hidden: mx.array, logits: mx.array, anchor: int) -> Lattice:
+    def lattice(
+        self, hidden: mx.array, logits: mx.array, anchor: int, compiled: bool = False
+    ) -> Lattice:
         """Every edge of the lattice at once, from hidden (n, H) and logits (n, V) of the n
-        draft positions: one k x k table per position, where z-lab's loop scores one row."""
+        draft positions: one k x k table per position, where z-lab's loop scores one row.
+        `compiled`: through mx.compile, as the target's layers where they run compiled
+        (models/compiled.py: on a GPU, where its fused arithmetic measured bit-exact): about
+        20 operations a pass are one call for the host, traced once a block size. Its only
+        arithmetic is products and sums, so nothing a fused kernel could contract."""
+        fn = self._scores
+        if compiled:
+            fn = self.__dict__.get("_dflash_compiled")  # (not a child module: off the weights)
+            if fn is None:
+                fn = self.__dict__["_dflash_compiled"] = mx.compile(self._scores, inputs=self.state)
+        cand, first, pairs = fn(hidden, logits, mx.array([anchor]))
+        return Lattice(cand, first, pairs, logits)  # logits: lattice_tree's
+
+    def _scores(self, hidden: mx.array, logits: mx.array, anchor: mx.array):
+        """The lattice's candidates (n, k), first row (k,) and pairs (n - 1, k, k)."""
         # The same call as z-lab's, so candidates come in the same order (ties agree too).
         cand = mx.argpartition(logits, -self.top_k, axis=-1)[..., -self.top_k :]
         unary = mx.take_along_axis(logits, cand, axis=-1)
         g = self.hidden_projection(hidden)  # (n, r)
         succ = self.successor_codebook(cand)  # (n, k, r)
-        anchor_row = self.predecessor_codebook(mx.array([anchor]))  # (1, r)
+        anchor_row = self.predecessor_codebook(anchor)  # (1, r)
         # Products in z-lab's order ((P * g) * S), so the scores agree to the bit.
         first = unary[0] + mx.sum(anchor_row[:, None] * g[0, None] * succ[0][None], -1)[0]
         if cand.shape[0] == 1:  # one position: no pairs (an empty lookup breaks quantized tables)
             k = cand.shape[1]
-            return Lattice(cand.astype(mx.int32), first, mx.zeros((0, k, k), first.dtype), logits)
+            return cand.astype(mx.int32), first, mx.zeros((0, k, k), first.dtype)
         pred = self.predecessor_codebook(cand[:-1])  # (n-1, k, r): each previous candidate
         edges = mx.sum((pred * g[1:, None])[:, :, None] * succ[1:, None], axis=-1)
         pairs = unary[1:, None, :] + edges  # (n-1, k_prev, k)
-        return Lattice(cand.astype(mx.int32), first, pairs, logits)  # logits: lattice_tree's
+        return cand.astype(mx.int32), first, pairs

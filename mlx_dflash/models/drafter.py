@@ -429,7 +429,8 @@ def propose_rows(runners: list, requests: list[tuple[int, int, int]]) -> list[Pr
         rows = logits[at : at + n]
         at += n
         if cfg.kind == "dflash2":
-            out.append(LatticeDrafts(rows, drafter.candidate_selector.lattice(pick, rows, last)))
+            lattice = drafter.candidate_selector.lattice(pick, rows, last, first.target.compiled)
+            out.append(LatticeDrafts(rows, lattice))
         else:
             out.append(Marginals(rows))
     return out
