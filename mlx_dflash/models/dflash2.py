@@ -77,10 +77,10 @@ class CandidateSelector(nn.Module):
         20 operations a pass are one call for the host, traced once a block size. Its only
         arithmetic is products and sums, so nothing a fused kernel could contract."""
         fn = self._scores
-        if compiled:
-            fn = self.__dict__.get("_dflash_compiled")  # (not a child module: off the weights)
-            if fn is None:
-                fn = self.__dict__["_dflash_compiled"] = mx.compile(self._scores, inputs=self.state)
+        if compiled:  # (kept in __dict__, not as a child module: off the weights)
+            if "_dflash_compiled" not in self.__dict__:
+                self.__dict__["_dflash_compiled"] = mx.compile(self._scores, inputs=self.state)
+            fn = self.__dict__["_dflash_compiled"]
         cand, first, pairs = fn(hidden, logits, mx.array([anchor]))
         return Lattice(cand, first, pairs, logits)  # logits: lattice_tree's
 
