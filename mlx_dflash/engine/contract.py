@@ -69,6 +69,13 @@ class Cache(Protocol):
         ...
 
 
+def in_place(keep: Any) -> bool:
+    """Whether a tree's kept nodes (a host list) are the verify's first rows 0..n-1, so that
+    compacting them is a trim and their taps a prefix: no row moves (a third of the default
+    configuration's tree rounds on the planted case, docs/host-time.md)."""
+    return not isinstance(keep, mx.array) and list(keep) == list(range(len(keep)))
+
+
 class Proposal(Protocol):
     """One drafter pass over the n positions after the last token, as the engine uses it: a
     chain (the DFlash round) or a best-first tree (DDTree), free or under a grammar. A drafter

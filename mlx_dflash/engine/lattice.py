@@ -80,10 +80,6 @@ class Lattice:
         with np.errstate(divide="ignore"):
             return np.log(np.maximum(total - inside, 0.0)) + top[:, 0]
 
-    def _tokens(self, chosen: list[mx.array]) -> mx.array:
-        idx = mx.stack(chosen)
-        return mx.take_along_axis(self.cand, idx[:, None], axis=-1)[:, 0].astype(mx.int32)
-
     def greedy(self) -> mx.array:
         """The selector's greedy chain (n,), as lazy device ops: no host sync."""
         return _greedy_chain(self.cand, self.first, self.pairs)
@@ -106,9 +102,9 @@ class Lattice:
         if n > 1:  # each later position's q after the candidate drawn before it
             after = q_pairs[mx.arange(n - 1), mx.stack(chosen[:-1])]
             q_sparse = mx.concatenate([q_sparse, after])
-        dense = mx.zeros((self.depth, vocab_size), dtype=mx.float32)
+        dense = mx.zeros((n, vocab_size), dtype=mx.float32)
         dense = mx.put_along_axis(dense, self.cand.astype(mx.int32), q_sparse, axis=-1)
-        return self._tokens(chosen), dense
+        return _picked(self.cand, chosen), dense
 
 
 @mx.compile
@@ -120,6 +116,11 @@ def _greedy_chain(cand: mx.array, first: mx.array, pairs: mx.array) -> mx.array:
     chosen = [mx.argmax(first, axis=-1)]
     for t in range(pairs.shape[0]):
         chosen.append(mx.argmax(mx.take(pairs[t], chosen[-1], axis=0), axis=-1))
+    return _picked(cand, chosen)
+
+
+def _picked(cand: mx.array, chosen: list[mx.array]) -> mx.array:
+    """The chain's tokens (n,): at each position the candidate of index chosen[t]."""
     idx = mx.stack(chosen)
     return mx.take_along_axis(cand, idx[:, None], axis=-1)[:, 0].astype(mx.int32)
 

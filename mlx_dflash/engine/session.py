@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from ..errors import DFlashError
-from .contract import Drafter, TargetModel
+from .contract import Drafter, TargetModel, in_place
 from .corpus import AnswerCorpus
 from .grammar import GrammarSpec
 from .sampling import SamplingParams
@@ -217,8 +217,7 @@ class Session:
                 c.compact(start, path)
         self.tokens.extend(kept)
         if self.drafter is not None and taps is not None:
-            # (a path of the verify's first rows is a prefix: a slice, not a gather)
-            linear = path is None or list(path) == list(range(len(path)))
+            linear = path is None or in_place(path)  # (a prefix: a slice, not a gather)
             self.drafter.add_context(taps[: len(kept)] if linear else taps[mx.array(path)])
 
     def mark_prompt_end(self) -> None:

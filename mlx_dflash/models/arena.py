@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import numpy as np
 
+from ..engine.contract import in_place
 from ..kernels.cpu_attention import LOG2E, use_cpu_attention
-from .cache import KVCache, in_place
+from .cache import KVCache
 
 
 class KVArena:

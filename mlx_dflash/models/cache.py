@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from ..engine.contract import in_place
 from ..errors import DFlashError
 
 
@@ -97,13 +98,6 @@ class KVCache:
         self.offset = int(meta["offset"])
         if hasattr(self, "dropped"):
             self.dropped = int(meta["dropped"])
-
-
-def in_place(keep: mx.array | list[int]) -> bool:
-    """Whether a tree's kept nodes (a host list) are the verify's first rows 0..n-1, so that
-    compacting them is a trim: no row moves (a third of the default configuration's tree
-    rounds on the planted case, docs/host-time.md)."""
-    return not isinstance(keep, mx.array) and list(keep) == list(range(len(keep)))
 
 
 class WindowedKVCache(KVCache):
