@@ -245,22 +245,14 @@ def print_profile(results: dict[str, Any], console) -> None:
         n = r["rounds"]
         if not n:
             continue
-
-        def ms(key, n=n, r=r):
-            v = r.get(key)
-            return "-" if v is None else f"{1000 * v / n:.2f}"
-
         step = steps.get(r["dataset"])
         total = r["time_decode_s"] / n
+        times = (r.get(f"time_{p}_s") for p in ("draft", "verify", "other", "build", "grammar"))
         table.add_row(
             r["dataset"],
             r["method"],
             str(n),
-            ms("time_draft_s"),
-            ms("time_verify_s"),
-            ms("time_other_s"),
-            ms("time_build_s"),
-            ms("time_grammar_s"),
+            *("-" if t is None else f"{1000 * t / n:.2f}" for t in times),
             f"{1000 * total:.2f}",
             "-" if not step else f"{total / step:.2f}",
         )

@@ -171,10 +171,9 @@ def run_mlx_lm(target, ids: list[int], cfg: GenerationConfig) -> Run:
                 break
     finally:
         gen.close()
-    n = len(tokens)
-    run = Run(tokens, len(ids), t_first - t0, t_last - t_first, [1] * max(n - 1, 0))
-    run.t_grammar = grammar.seconds if grammar is not None else None
-    return run
+    taus = [1] * max(len(tokens) - 1, 0)
+    t_grammar = grammar.seconds if grammar is not None else None
+    return Run(tokens, len(ids), t_first - t0, t_last - t_first, taus, t_grammar=t_grammar)
 
 
 def _grammar(target, cfg: GenerationConfig):
@@ -377,7 +376,7 @@ def _default_ran(chosen, cfg: GenerationConfig, runner) -> dict | None:
 
 
 def _dataset_names(datasets: str | list[str]) -> list[str]:
-    names = [d.strip() for d in ([datasets] if isinstance(datasets, str) else datasets)]
+    names = [datasets] if isinstance(datasets, str) else datasets
     names = [n.strip() for x in names for n in x.split(",") if n.strip()]
     if not names:
         raise DFlashError("--dataset names no dataset.")

@@ -17,12 +17,9 @@ from ..prompts import render_open, use_template
 from . import options as opts
 
 CACHE_FILE = typer.Option(
-    ...,
-    "--prompt-cache-file",
-    metavar="FILE",
-    help="Where the cache goes (.safetensors).",
-    rich_help_panel=opts.OUTPUT,
+    ..., "--prompt-cache-file", metavar="FILE", help="Where the cache goes (.safetensors)."
 )
+opts.panel(opts.OUTPUT, CACHE_FILE)
 
 
 def cache_command(

@@ -37,35 +37,25 @@ def cached_prompt(session, saved, arrays, prompt: str, system, thinking) -> list
 
 
 PROMPT_TEXT = typer.Option(
-    None, "--prompt", "-p", metavar="TEXT", help="Prompt text, or '-' to read stdin.",
-    rich_help_panel=PROMPT,
-)  # fmt: skip
+    None, "--prompt", "-p", metavar="TEXT", help="Prompt text, or '-' to read stdin."
+)
 PREFILL_RESPONSE = typer.Option(
     None, "--prefill-response", metavar="TEXT",
-    help="The answer's start, which the model continues.", rich_help_panel=PROMPT,
+    help="The answer's start, which the model continues.",
 )  # fmt: skip
 PROMPT_FILE = typer.Option(
-    None, "--prompt-file", metavar="FILE", help="Read the prompt from a file.",
-    rich_help_panel=PROMPT,
-)  # fmt: skip
+    None, "--prompt-file", metavar="FILE", help="Read the prompt from a file."
+)
 MAX_TOKENS = opts.max_tokens_option(256, "Tokens to generate at most.")
 EXTRA_EOS = typer.Option(
-    [], "--extra-eos-token", metavar="TOKEN",
-    help="A token (text or id) that ends the answer too.", rich_help_panel=OUT,
-)  # fmt: skip
-STOP = typer.Option(
-    [], "--stop", metavar="TEXT", help="End the answer before TEXT (repeatable).",
-    rich_help_panel=OUT,
-)  # fmt: skip
-VERBOSE = typer.Option(
-    None, "--verbose", metavar="BOOL",
-    help="False: no stats line (mlx-lm's).", rich_help_panel=OUT,
-)  # fmt: skip
-AS_JSON = typer.Option(
-    False, "--json", help="Text and stats as one JSON object.", rich_help_panel=OUT
+    [], "--extra-eos-token", metavar="TOKEN", help="A token (text or id) that ends the answer too."
 )
-NO_STATS = typer.Option(False, "--no-stats", help="Do not print the stats line.",
-                        rich_help_panel=OUT)  # fmt: skip
+STOP = typer.Option([], "--stop", metavar="TEXT", help="End the answer before TEXT (repeatable).")
+VERBOSE = typer.Option(None, "--verbose", metavar="BOOL", help="False: no stats line (mlx-lm's).")
+AS_JSON = typer.Option(False, "--json", help="Text and stats as one JSON object.")
+NO_STATS = typer.Option(False, "--no-stats", help="Do not print the stats line.")
+opts.panel(PROMPT, PROMPT_TEXT, PREFILL_RESPONSE, PROMPT_FILE)
+opts.panel(OUT, EXTRA_EOS, STOP, VERBOSE, AS_JSON, NO_STATS)
 
 
 def stream(session, ids, cfg, world, stop: list[str], show: bool) -> tuple[str, Stats]:

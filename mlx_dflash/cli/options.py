@@ -17,15 +17,13 @@ from ..errors import DFlashError
 from ..prompts import xtc_special_ids
 
 # Help panels (`--help` groups the flags under these titles).
-MODEL_PANEL, TEMPLATE, KV_PANEL, SPECULATION, SAMPLING, STRUCTURED, OUTPUT = (
-    "Model",
-    "Chat template",
-    "KV cache",
-    "Speculation",
-    "Sampling",
-    "Structured output",
-    "Output",
-)
+MODEL_PANEL = "Model"
+TEMPLATE = "Chat template"
+KV_PANEL = "KV cache"
+SPECULATION = "Speculation"
+SAMPLING = "Sampling"
+STRUCTURED = "Structured output"
+OUTPUT = "Output"
 MODES = ("ddtree", "dflash", "lookup", "ar")
 
 
@@ -48,7 +46,6 @@ MODEL = typer.Option(
     "-m",
     metavar="PATH|ID",
     help="Target folder or hub id (default: embedded stories260K).",
-    rich_help_panel=MODEL_PANEL,
 )
 DRAFTER = typer.Option(
     None,
@@ -56,14 +53,11 @@ DRAFTER = typer.Option(
     "-d",
     metavar="PATH|ID",
     help="DFlash drafter folder or hub id (found for known targets).",
-    rich_help_panel=MODEL_PANEL,
 )
-TEMP = typer.Option(
-    0.0, "--temp", min=0.0, metavar="T", help="0 = greedy.", rich_help_panel=SAMPLING
-)
-TOP_P = typer.Option(1.0, "--top-p", min=0.0, max=1.0, metavar="P", rich_help_panel=SAMPLING)
-TOP_K = typer.Option(0, "--top-k", min=0, metavar="K", help="0 = off.", rich_help_panel=SAMPLING)
-SEED = typer.Option(None, "--seed", metavar="N", rich_help_panel=SAMPLING)
+TEMP = typer.Option(0.0, "--temp", min=0.0, metavar="T", help="0 = greedy.")
+TOP_P = typer.Option(1.0, "--top-p", min=0.0, max=1.0, metavar="P")
+TOP_K = typer.Option(0, "--top-k", min=0, metavar="K", help="0 = off.")
+SEED = typer.Option(None, "--seed", metavar="N")
 MIN_P = typer.Option(
     0.0,
     "--min-p",
@@ -72,19 +66,16 @@ MIN_P = typer.Option(
     metavar="P",
     help="Drop tokens under P times the top one's probability (0: off).",
     show_default=False,
-    rich_help_panel=SAMPLING,
 )
 XTC_PROBABILITY = typer.Option(
     0.0, "--xtc-probability", min=0.0, max=1.0, metavar="P",
-    help="XTC: how often a draw drops the top choices (0: off).", show_default=False, rich_help_panel=SAMPLING,
+    help="XTC: how often a draw drops the top choices (0: off).", show_default=False,
 )  # fmt: skip
 XTC_THRESHOLD = typer.Option(
-    0.1, "--xtc-threshold", min=0.0, max=0.5, metavar="P",
-    help="XTC: what counts as a top choice.", rich_help_panel=SAMPLING,
-)  # fmt: skip
+    0.1, "--xtc-threshold", min=0.0, max=0.5, metavar="P", help="XTC: what counts as a top choice."
+)
 MIN_TOKENS_TO_KEEP = typer.Option(
     1, "--min-tokens-to-keep", min=1, metavar="N", help="What --min-p keeps at least.", show_default=False,
-    rich_help_panel=SAMPLING,
 )  # fmt: skip
 MODE = typer.Option(
     None,
@@ -92,49 +83,27 @@ MODE = typer.Option(
     metavar="[" + "|".join(MODES) + "]",
     help="ddtree: trees + lookup; dflash: z-lab's chain; lookup: no drafter; ar: plain. "
     "Default: ddtree, or what can run here.",
-    rich_help_panel=SPECULATION,
 )
 BLOCK_SIZE = typer.Option(
-    None,
-    "--block-size",
-    metavar="N",
-    help="Draft block, at most the drafter's.",
-    rich_help_panel=SPECULATION,
+    None, "--block-size", metavar="N", help="Draft block, at most the drafter's."
 )
 BUDGET = typer.Option(
     None,
     "--budget",
     metavar="N|auto",
     help="Tokens verified a round, or auto: sized from the measured verify cost (default).",
-    rich_help_panel=SPECULATION,
 )
 CHAT_TEMPLATE = typer.Option(
-    None,
-    "--chat-template/--no-chat-template",
-    help="Default: when the model has one.",
-    rich_help_panel=TEMPLATE,
+    None, "--chat-template/--no-chat-template", help="Default: when the model has one."
 )
 PREFILL = typer.Option(
-    512,
-    "--prefill-step-size",
-    min=1,
-    metavar="N",
-    help="Prompt tokens a prefill chunk takes.",
-    rich_help_panel=MODEL_PANEL,
+    512, "--prefill-step-size", min=1, metavar="N", help="Prompt tokens a prefill chunk takes."
 )
-SYSTEM = typer.Option(
-    None,
-    "--system",
-    "--system-prompt",
-    metavar="TEXT",
-    help="System message.",
-    rich_help_panel=TEMPLATE,
-)
+SYSTEM = typer.Option(None, "--system", "--system-prompt", metavar="TEXT", help="System message.")
 THINKING = typer.Option(
     None,
     "--thinking/--no-thinking",
     help="Thinking on or off (Qwen3-style templates; default: theirs).",
-    rich_help_panel=TEMPLATE,
 )
 LOOKUP = typer.Option(
     None,
@@ -143,40 +112,29 @@ LOOKUP = typer.Option(
     metavar="N",
     help="Up to N tokens copied from earlier text join the tree (the draft under --mode "
     "lookup). Default: 10 (0 under a fixed --budget).",
-    rich_help_panel=SPECULATION,
 )
 LOOKUP_CORPUS = typer.Option(
     None,
     "--lookup-corpus",
     metavar="FILE|none",
     help="Past answers (JSONL) for lookup (docs/lookup.md); default: the drafter's.",
-    rich_help_panel=SPECULATION,
 )
 KV_BITS = typer.Option(
-    None,
-    "--kv-bits",
-    metavar="BITS",
-    help="Quantize the KV cache to BITS (4 or 8).",
-    rich_help_panel=KV_PANEL,
+    None, "--kv-bits", metavar="BITS", help="Quantize the KV cache to BITS (4 or 8)."
 )
 MAX_KV_SIZE = typer.Option(
-    None,
-    "--max-kv-size",
-    min=5,
-    metavar="N",
-    help="At most N positions (a rotating cache).",
-    rich_help_panel=KV_PANEL,
+    None, "--max-kv-size", min=5, metavar="N", help="At most N positions (a rotating cache)."
 )
-KV_GROUP_SIZE = typer.Option(
-    64, "--kv-group-size", metavar="N", help="Group size of --kv-bits.", rich_help_panel=KV_PANEL
-)
+KV_GROUP_SIZE = typer.Option(64, "--kv-group-size", metavar="N", help="Group size of --kv-bits.")
 QUANTIZED_KV_START = typer.Option(
-    5000,
-    "--quantized-kv-start",
-    metavar="N",
-    help="Quantize from N tokens of context on.",
-    rich_help_panel=KV_PANEL,
+    5000, "--quantized-kv-start", metavar="N", help="Quantize from N tokens of context on."
 )
+
+panel(MODEL_PANEL, MODEL, DRAFTER, PREFILL)
+panel(TEMPLATE, CHAT_TEMPLATE, SYSTEM, THINKING)
+panel(KV_PANEL, KV_BITS, MAX_KV_SIZE, KV_GROUP_SIZE, QUANTIZED_KV_START)
+panel(SPECULATION, MODE, BLOCK_SIZE, BUDGET, LOOKUP, LOOKUP_CORPUS)
+panel(SAMPLING, TEMP, TOP_P, TOP_K, SEED, MIN_P, XTC_PROBABILITY, XTC_THRESHOLD, MIN_TOKENS_TO_KEEP)
 
 
 def kv_quantization(bits: int | None, group_size: int, start: int):
@@ -192,7 +150,6 @@ PROMPT_CACHE_FILE = typer.Option(
     "--prompt-cache-file",
     metavar="FILE",
     help="Start from a prompt cache (`dflash-mlx cache`, chat's /save).",
-    rich_help_panel=KV_PANEL,
 )
 
 
@@ -217,26 +174,15 @@ def read_prompt_cache(path: str | None, model: str | None, drafter: str | None, 
 
 
 JSON_SCHEMA = typer.Option(
-    None,
-    "--json-schema",
-    metavar="FILE",
-    help="The answer is JSON valid under this schema.",
-    rich_help_panel=STRUCTURED,
+    None, "--json-schema", metavar="FILE", help="The answer is JSON valid under this schema."
 )
-REGEX = typer.Option(
-    None,
-    "--regex",
-    metavar="REGEX",
-    help="The answer matches this regex.",
-    rich_help_panel=STRUCTURED,
-)
+REGEX = typer.Option(None, "--regex", metavar="REGEX", help="The answer matches this regex.")
 LARK = typer.Option(
-    None,
-    "--lark",
-    metavar="FILE",
-    help="The answer follows this Lark grammar (llguidance).",
-    rich_help_panel=STRUCTURED,
+    None, "--lark", metavar="FILE", help="The answer follows this Lark grammar (llguidance)."
 )
+
+panel(KV_PANEL, PROMPT_CACHE_FILE)
+panel(STRUCTURED, JSON_SCHEMA, REGEX, LARK)
 
 
 def grammar_spec(json_schema: str | None, regex: str | None, lark: str | None):
@@ -310,13 +256,12 @@ class Flags:
     def settle(self, target, runner, model: str | None) -> tuple[GenerationConfig, str | None]:
         """The final settings for the loaded pair, and a line to tell the user where the
         default chose other than DDTree (engine/choice.py)."""
-        if self.mode is not None:
-            return xtc_special(default_corpus(self.config(), runner), target), None
-        choice = default_mode(target, runner, model)
+        choice = default_mode(target, runner, model) if self.mode is None else None
         flags = self
-        if not speculates(choice.mode):  # nothing drafts: the speculation flags have nothing to set
+        if choice and not speculates(choice.mode):  # nothing drafts: no speculation flag applies
             flags = dataclasses.replace(self, budget=None, lookup=None, corpus=None)
-        return xtc_special(default_corpus(flags.config(choice.mode), runner), target), choice.note
+        cfg = default_corpus(flags.config(choice and choice.mode), runner)
+        return xtc_special(cfg, target), choice and choice.note
 
 
 def xtc_special(cfg: GenerationConfig, target) -> GenerationConfig:

@@ -18,7 +18,6 @@ MAX_BATCH = typer.Option(
     min=1,
     help="Requests whose rounds share each target forward (1: one at a time). 8: on a "
     "2-core CPU, throughput still grew from 4 to 8 (docs/batching.md).",
-    rich_help_panel=SERVER,
 )
 KEEP_ANSWERS = typer.Option(
     None,
@@ -26,37 +25,33 @@ KEEP_ANSWERS = typer.Option(
     help="A file where the answers that join the lookup corpus are kept (created if new, "
     "readable only by you) and read back at start, so what the server learned in earlier "
     "sessions survives a restart. It holds the served answers, as token ids.",
-    rich_help_panel=opts.SPECULATION,
 )
 
 
 THINKING = typer.Option(
     None, "--thinking/--no-thinking",
     help="Default enable_thinking for chat templates that have the switch (requests may "
-    "override it with chat_template_kwargs).", rich_help_panel=opts.TEMPLATE,
+    "override it with chat_template_kwargs).",
 )  # fmt: skip
 MAX_TOKENS = opts.max_tokens_option(512, "Answer length when a request does not say.")
 HOST = typer.Option(
-    "127.0.0.1", "--host", help="Address to bind (0.0.0.0 exposes the server to the network).",
-    rich_help_panel=SERVER,
-)  # fmt: skip
-PORT = typer.Option(8080, "--port", min=0, max=65535, help="0: any free port.",
-                    rich_help_panel=SERVER)  # fmt: skip
+    "127.0.0.1", "--host", help="Address to bind (0.0.0.0 exposes the server to the network)."
+)
+PORT = typer.Option(8080, "--port", min=0, max=65535, help="0: any free port.")
 API_KEY = typer.Option(
-    None, "--api-key", envvar="DFLASH_MLX_API_KEY", help="Require 'Authorization: Bearer KEY'.",
-    rich_help_panel=SERVER,
-)  # fmt: skip
+    None, "--api-key", envvar="DFLASH_MLX_API_KEY", help="Require 'Authorization: Bearer KEY'."
+)
 NAME = typer.Option(
-    None, "--served-model-name", help="Model id clients use (default: the model's name).",
-    rich_help_panel=SERVER,
-)  # fmt: skip
-CACHE_MB = typer.Option(2048, "--prefix-cache-mb", min=0,
-                        help="Memory for cached prompt prefixes.", rich_help_panel=SERVER)  # fmt: skip
+    None, "--served-model-name", help="Model id clients use (default: the model's name)."
+)
+CACHE_MB = typer.Option(2048, "--prefix-cache-mb", min=0, help="Memory for cached prompt prefixes.")
 CACHE_SESSIONS = typer.Option(
-    8, "--prefix-cache-sessions", min=1, help="Cached prompt prefixes kept at most.",
-    rich_help_panel=SERVER,
-)  # fmt: skip
-VERBOSE = typer.Option(False, "--verbose", help="Log every request.", rich_help_panel=SERVER)
+    8, "--prefix-cache-sessions", min=1, help="Cached prompt prefixes kept at most."
+)
+VERBOSE = typer.Option(False, "--verbose", help="Log every request.")
+opts.panel(SERVER, HOST, PORT, API_KEY, NAME, MAX_BATCH, CACHE_MB, CACHE_SESSIONS, VERBOSE)
+opts.panel(opts.SPECULATION, KEEP_ANSWERS)
+opts.panel(opts.TEMPLATE, THINKING)
 
 
 def serve_command(
