@@ -242,12 +242,11 @@ class BatchedTarget:
     def __init__(self, target, batcher: Batcher) -> None:
         self._target = target
         self._batcher = batcher
-        self.tokenizer, self.config = target.tokenizer, target.config
-        self.model_type, self.vocab_size, self.model = (
-            target.model_type,
-            target.vocab_size,
-            target.model,
-        )
+        self.tokenizer = target.tokenizer
+        self.config = target.config
+        self.model_type = target.model_type
+        self.vocab_size = target.vocab_size
+        self.model = target.model
 
     @property
     def batcher(self) -> Batcher:

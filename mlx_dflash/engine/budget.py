@@ -175,8 +175,8 @@ def choose_budget(
     """The budget that maximises expected tokens per second for this round.
 
     `calibration` scales the drafter's expected extra tokens by how many it has really been
-    getting (see `DDTree`): a drafter that is overconfident away from its training data would
-    otherwise buy trees whose deep nodes never land.
+    getting (`AutoBudget.calibration`): a drafter that is overconfident away from its training
+    data would otherwise buy trees whose deep nodes never land.
     """
     b = np.arange(len(tree.tokens))
     gain = expected_tokens(tree, calibration)
@@ -309,15 +309,8 @@ class FixedBudget:
 
 
 class AutoBudget:
-    """`--budget auto`: the state it keeps between rounds, and the measured verify profile.
-
-    - `overhead`: a running estimate of a round's cost beyond the verify (draft, bookkeeping);
-    - `expected` / `realised`: running extra tokens, predicted by the drafter vs accepted,
-      whose ratio (`calibration`) scales the drafter's confidence;
-    - the `Pacer`, which pauses drafting while tree rounds lose to plain steps;
-    - `speed`: measured verify seconds against the profile's (running), which scales the
-      cached profile to the machine as it runs now.
-    """
+    """`--budget auto`: each round's budget from the measured verify profile and the running
+    estimates it keeps between rounds; its `Pacer` pauses drafting while drafting loses."""
 
     prices_lookup = True  # cut_lookup weighs each source's branches by its own acceptance
 
@@ -327,7 +320,7 @@ class AutoBudget:
     def __init__(self, profile: VerifyProfile):
         self.profile = profile
         self.pacer = Pacer(float(profile.cost(1)))
-        self.overhead = 0.0
+        self.overhead = 0.0  # a round's seconds beyond the verify (draft, bookkeeping)
         self.expected = self.realised = 0.0
         self.tree_rounds = 0
         # Per round that ran the drafter: its pass's seconds and the nodes it added (running
@@ -429,7 +422,6 @@ class AutoBudget:
         return alone >= joined
 
     def record_plain(self, seconds: float, tokens: int = 1, size: int = 1) -> None:
-        """A round without the drafter that emitted `tokens` from a verify of `size`."""
         if self.batch is not None:  # its wall time is the whole batch's: count its share
             seconds = float(self.costs().cost(size))
         self.pacer.record_plain(seconds, tokens, size)

@@ -49,24 +49,19 @@ class Cache(Protocol):
 
     def rewind_point(self, length: int) -> int:
         """The longest prefix <= length this cache can return to."""
-        ...
 
     def snapshot(self) -> None:
         """Remember this point (the end of a prompt) as one a later turn can rewind to."""
-        ...
 
     def trim(self, length: int) -> None:
         """Keep the first `length` positions (a linear block's accepted prefix)."""
-        ...
 
     def compact(self, start: int, keep: Any) -> None:
         """Keep the tree nodes `keep` (a root-to-node path) of the verify that began at start."""
-        ...
 
     @property
     def state_arrays(self) -> list[mx.array]:
         """The arrays to evaluate so the cache is materialised (prefill syncs on them)."""
-        ...
 
 
 def in_place(keep: Any) -> bool:
@@ -87,18 +82,15 @@ class Proposal(Protocol):
     def chain(self, sampling: Any, key: mx.array | None) -> tuple[mx.array, mx.array | None]:
         """Drafts (n,) on the device; with a key (sampling) also their distribution q (n, V),
         which the acceptance rule divides by."""
-        ...
 
     def queue(self, budget: int, branching: int | None, temperature: float, constrained: bool):
         """Queue the pass (mx.async_eval) with what the tree of these arguments will read
         from the device, so that one wait finds it computed (the host looks for lookup
         branches meanwhile)."""
-        ...
 
     def tree(self, root: int, budget: int, branching: int | None, temperature: float) -> Any:
         """The best-first tree (engine/tree.py Tree) of at most budget + 1 nodes after
         `root`, at most `branching` children a node (None: no limit)."""
-        ...
 
     def constrained_tree(
         self,
@@ -112,7 +104,6 @@ class Proposal(Protocol):
     ) -> tuple[Any, int]:
         """Under a grammar (engine/grammar.py): (a tree of what it allows with its forced
         runs, cut by the budget policy's `cut`; nodes pruned). No node deeper than `tokens_left`."""
-        ...
 
 
 class Drafter(Protocol):
@@ -129,20 +120,16 @@ class Drafter(Protocol):
 
     def reset(self, length: int = 0) -> None:
         """Forget context from `length` on (the Session rewound to a shorter prefix)."""
-        ...
 
     def add_context(self, taps: mx.array) -> None:
         """Taps (T, n_taps * H) of T newly committed positions."""
-        ...
 
     def propose(self, last_token: int, start: int, n: int) -> Proposal:
         """The n positions start+1..start+n, from one drafter pass."""
-        ...
 
     def propose_together(self, asks: list[DraftAsk]) -> list[Proposal]:
         """Batched rows' drafter passes (this drafter's among them) as one packed pass where
         they share a drafter, each row's Proposal as its own pass would give it."""
-        ...
 
 
 @dataclass
@@ -200,43 +187,35 @@ class TargetModel(Protocol):
     @property
     def world(self) -> World:
         """Where this target's host decisions are agreed (distributed.LOCAL when unsharded)."""
-        ...
 
     @property
     def runs_alone(self) -> bool:
         """Whether its forwards run as soon as they are asked for, for this caller alone: not
         a row of a batch (engine/batch.py) waiting for the others, nor a target sharded over
         ranks that agree every host decision. Plain decoding then keeps a step in flight."""
-        ...
 
     @property
     def batcher(self) -> Any:
         """The Batcher its forwards join (engine/batch.py), or None: forwards of its own."""
-        ...
 
     @property
     def unbatched(self) -> TargetModel:
         """The target itself, outside any batch (the auto budget times its own forwards)."""
-        ...
 
     @property
     def forward_paths(self) -> str:
         """Which forward paths it runs, in a few characters ("" for stock ones): row padding
         on the CPU, the verify kernel's choices on Metal. A verify profile measured under one
         choice does not price another, so the profile's cache name includes it."""
-        ...
 
     def make_cache(self, kv: Any = None, max_kv_size: int | None = None) -> list[Any]:
         """One Cache per layer (kv: a quantized KV cache's settings, models/cache.py)."""
-        ...
 
     def new_arena(self) -> Any:
         """A KV buffer the rows of a batch share (models/arena.py), or None."""
-        ...
 
     def forward(self, passes: list[Pass]) -> list[tuple[mx.array | None, mx.array | None]]:
         """Each pass's (logits, taps): T tokens after `start` cached positions, a causal block
         or a tree given by `parents` (models/forward.py). One pass runs alone; several (a
         batch's rows) run as one packed forward, weights read once for all, each row's result
         as its own forward would give it."""
-        ...

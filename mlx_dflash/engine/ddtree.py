@@ -12,6 +12,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from ..kernels.tree_attention import tree_depths
 from .budget import AutoBudget, FixedBudget
 from .contract import Drafter, Pass, Proposal
 from .corpus import corpus_of, lookup_corpus
@@ -270,7 +271,5 @@ def _agree_tree(session: Session, tree: Tree, n_drafted: int) -> tuple[Tree, int
     tokens, parents = vals[1 : 1 + n], vals[1 + n :]
     if np.array_equal(tokens, tree.tokens) and np.array_equal(parents, tree.parents):
         return tree, int(vals[0])
-    depths = np.zeros(n, dtype=np.int64)
-    for i in range(1, n):
-        depths[i] = depths[parents[i]] + 1
+    depths = tree_depths(parents).astype(np.int64)
     return Tree(tokens, parents, depths, np.zeros(n)), int(vals[0])

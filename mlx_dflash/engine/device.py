@@ -19,21 +19,8 @@ DFlash 2 lattice's scores), so its wait finds them computed. On a GPU the device
 computes while Python runs; on the CPU backend MLX's evaluation thread takes the other core,
 and measured paired on this bench (docs/host-time.md) it was 1-4% faster, never slower.
 
-Queueing by layer is chosen per machine (`queues_layers`, models/queueing.py): on the CPU
-backend a verify forward and the drafter's pass queue each layer as its graph is built, so that
-MLX's evaluation thread computes a layer while Python builds the next; a GPU times both ways at
-a target's first load and keeps the faster.
-
-Metal hygiene, as mlx-lm does it: generation runs with the weights wired and on a stream of
-its own. Both are Apple-GPU matters; on any other device both are no-ops.
-
-- `wired(model)`: mlx-lm's `wired_limit`, which raises the wired-memory limit to fit the model
-  for as long as generation runs, so macOS does not page the weights out between rounds, and
-  waits for the generation stream before restoring the limit.
-- `compute()`: the context a round's graph is built in: mlx-lm's `generation_stream`, so that
-  work another thread queues on the default stream (the server's HTTP side, a progress bar)
-  never sits between a round's kernels. It is entered round by round, never across a
-  `yield`, so the caller's own MLX work stays on its default stream.
+Metal hygiene, as mlx-lm does it: generation runs with the weights wired (`wired`) and on a
+stream of its own (`compute`). Both are Apple-GPU matters; on any other device both are no-ops.
 """
 
 from __future__ import annotations
@@ -105,8 +92,11 @@ _wired = _Depth()
 
 @contextlib.contextmanager
 def wired(model) -> Iterator[None]:
-    """Re-entrant: batched rows (engine/batch.py) run their generations inside the server's
-    own block, and their enters and exits interleave, so only the outermost one acts."""
+    """mlx-lm's `wired_limit`: raises the wired-memory limit to fit the model for as long as
+    generation runs, so macOS does not page the weights out between rounds, and waits for the
+    generation stream before restoring the limit. Re-entrant: batched rows (engine/batch.py) run
+    their generations inside the server's own block, and their enters and exits interleave, so
+    only the outermost one acts."""
     depth = _wired.depth
     _wired.depth = depth + 1
     try:
@@ -123,6 +113,10 @@ def wired(model) -> Iterator[None]:
 
 
 def compute() -> contextlib.AbstractContextManager:
+    """The context a round's graph is built in: mlx-lm's `generation_stream`, so that work
+    another thread queues on the default stream (the server's HTTP side, a progress bar) never
+    sits between a round's kernels. Entered round by round, never across a `yield`, so the
+    caller's own MLX work stays on its default stream."""
     if not on_metal():
         return contextlib.nullcontext()
     from mlx_lm.generate import generation_stream

@@ -168,7 +168,6 @@ class Grammar:
         finally:
             self.seconds += time.perf_counter() - t0
 
-    # -- the state -----------------------------------------------------------------------
     def allows(self, token: int) -> bool:
         # llguidance's validate_tokens refuses the end token even where its mask (and
         # consume_token) take it: the grammar is complete there.
@@ -234,7 +233,6 @@ class Grammar:
         bits = np.frombuffer(self._ll(self.matcher.compute_bitmask), dtype=np.uint8)
         return np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
 
-    # -- picking under the mask --------------------------------------------------------
     def pick(
         self, row: mx.array, argmax: int | None, sampling: SamplingParams, rng, mask=None
     ) -> int:

@@ -13,16 +13,14 @@ from __future__ import annotations
 from collections import defaultdict
 
 MAX_NGRAM = 4
-MIN_NGRAM = 2
+MIN_NGRAM = 2  # of branches(); 1-grams are indexed for echo()
 MAX_BRANCHES = 3
 
 
 class PromptLookup:
     """An n-gram index over one growing token sequence (prompt + everything decided since)."""
 
-    def __init__(self, max_ngram: int | None = None, min_ngram: int | None = None):
-        self.max_ngram = max_ngram or MAX_NGRAM
-        self.min_ngram = min_ngram or MIN_NGRAM  # of branches(); 1-grams are indexed for echo()
+    def __init__(self) -> None:
         self.tokens: list[int] = []
         # n-gram -> positions just after its occurrences (where a continuation starts), in order
         self.index: dict[tuple[int, ...], list[int]] = defaultdict(list)
@@ -39,13 +37,13 @@ class PromptLookup:
         for tok in new:
             tokens.append(int(tok))
             end = len(tokens)
-            for n in range(1, min(self.max_ngram, end) + 1):
+            for n in range(1, min(MAX_NGRAM, end) + 1):
                 self.index[tuple(tokens[end - n : end])].append(end)
 
     def branches(self, max_len: int, max_branches: int = MAX_BRANCHES) -> list[list[int]]:
         """Up to `max_branches` distinct continuations (each at most `max_len` tokens) of the
         longest suffix n-gram seen before; the most recent occurrence first."""
-        return self._after(range(self.max_ngram, self.min_ngram - 1, -1), max_len, max_branches)
+        return self._after(range(MAX_NGRAM, MIN_NGRAM - 1, -1), max_len, max_branches)
 
     def echo(self, max_len: int, max_branches: int = MAX_BRANCHES) -> list[list[int]]:
         """The continuations of the last token alone, newest first: the last resort, where no

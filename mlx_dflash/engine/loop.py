@@ -115,9 +115,8 @@ def generate_rounds(session: Session, prompt: list[int], cfg: GenerationConfig) 
             return
         next_round = round_function(session, cfg, grammar, bs)
         while True:
-            tokens_left = (
-                cfg.max_tokens - emitted - 1
-            )  # drafts allowed: never verify past max_tokens
+            # drafts allowed: never verify past max_tokens
+            tokens_left = cfg.max_tokens - emitted - 1
             g0 = grammar.seconds if grammar is not None else 0.0
             with compute():
                 rnd = next_round(last, min(bs - 1, tokens_left), rng, tokens_left)

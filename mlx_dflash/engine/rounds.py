@@ -25,10 +25,6 @@ from .sampling import (
 from .session import GenerationConfig, Round, Session
 
 
-def _sync(x) -> None:
-    mx.eval(x)
-
-
 def to_host(x: mx.array) -> np.ndarray:
     """A greedy DFlash round's one device -> host read (tests count the calls)."""
     return np.array(x)
@@ -46,7 +42,7 @@ def prefill(session: Session, prompt: list[int], cfg: GenerationConfig) -> tuple
                  taps=drafter is not None, rewindable=False)  # fmt: skip
         logits, taps = target.forward([p])[0]
         session.commit(chunk, taps)
-        _sync((logits, [c.state_arrays for c in session.cache]))
+        mx.eval(logits, [c.state_arrays for c in session.cache])
         session.world.heartbeat()  # a long prefill is progress too (a sharded target's watchdog)
     session.mark_prompt_end()
     dt = time.perf_counter() - t0

@@ -23,12 +23,11 @@ DEFAULT_LOOKUP = 10  # tokens per prompt-lookup branch, when --mode lookup is no
 # The kind of round each mode runs (loop.py picks the round from this, once per generation):
 # "plain" one target step, "block" a DFlash block, "tree" a DDTree / prompt-lookup tree.
 ROUND_KINDS = {"ar": "plain", "dflash": "block", "ddtree": "tree", "lookup": "tree"}
-DRAFTER_MODES = ("dflash", "ddtree")  # the modes that run a drafter
 
 
 def uses_drafter(mode: str) -> bool:
     """Whether `mode` runs the drafter (lookup drafts from the text; ar drafts nothing)."""
-    return mode in DRAFTER_MODES
+    return mode in ("dflash", "ddtree")
 
 
 def speculates(mode: str) -> bool:

@@ -34,21 +34,12 @@ class Stats:
 
     def merge(self, other: Stats) -> None:
         """Add another generation's totals (a chat session's running stats)."""
-        self.prompt_tokens += other.prompt_tokens
-        self.t_prefill += other.t_prefill
-        self.tokens += other.tokens
-        self.t_draft += other.t_draft
-        self.t_verify += other.t_verify
-        self.t_other += other.t_other
-        self.t_build += other.t_build
-        self.taus += other.taus
-        self.tau_total += other.tau_total
-        self.draft_rounds += other.draft_rounds
-        self.grammar_pruned += other.grammar_pruned
-        self.grammar_drafts += other.grammar_drafts
-        self.grammar_drafts_accepted += other.grammar_drafts_accepted
-        self.t_grammar += other.t_grammar
-        self.peak_memory = max(self.peak_memory, other.peak_memory)
+        mine = vars(self)
+        for name, value in vars(other).items():
+            if name == "peak_memory":
+                self.peak_memory = max(self.peak_memory, value)
+            elif name != "finish":
+                mine[name] += value  # counts and times add, `taus` extends
 
     def add(self, r: Round) -> None:
         if r.prefill:

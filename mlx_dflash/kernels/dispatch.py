@@ -24,10 +24,6 @@ MODES = ("auto", "metal", "reference")
 _SECTION = re.compile(r"^//// \[(.+?)\][ \t]*$\n?", flags=re.MULTILINE)
 
 
-# ---------------------------------------------------------------------------------------------
-# Sources and kernels
-
-
 def metal_dir(filename: str) -> Path:
     """metal/ sources: mlx_dflash/metal in a wheel, the repository's metal/ when editable."""
     package = Path(__file__).resolve().parent.parent
@@ -76,10 +72,6 @@ def cached_kernel(
             **options,
         )
     return _kernels[key]
-
-
-# ---------------------------------------------------------------------------------------------
-# Dispatch
 
 
 def backend_mode(setting: str) -> str:

@@ -24,22 +24,6 @@ from . import self_check
 from .dispatch import KernelFactory
 from .tree_attention import tree_depths, validate_parents
 
-__all__ = [
-    "ENV_VAR",
-    "SETTING",
-    "MAX_KEY_DIM",
-    "MAX_TREE",
-    "SUPPORTED_DTYPES",
-    "gdn_backend",
-    "gdn_tape_replay",
-    "gdn_tree_verify",
-    "kernel_sources",
-    "replay_supported",
-    "tree_plan",
-    "tree_supported",
-    "use_metal",
-]
-
 ENV_VAR = "DFLASH_GDN"
 SETTING = "gdn"  # SETTINGS.gdn (settings.py)
 
@@ -57,10 +41,6 @@ _IO = {
 }
 
 
-# ---------------------------------------------------------------------------------------------
-# Sources and kernels
-
-
 @lru_cache(maxsize=1)
 def kernel_sources() -> dict[str, str]:
     """The header and kernel bodies of gated_delta.metal, keyed by section name."""
@@ -74,10 +54,6 @@ def _kernel_factory() -> KernelFactory:
 
 def _kernel(factory: KernelFactory, which: str) -> Any:
     return metal_kernels.cached_kernel(factory, which, kernel_sources, *_IO[which])
-
-
-# ---------------------------------------------------------------------------------------------
-# Shapes
 
 
 def _heads_ok(n_hv: int, n_hk: int) -> bool:
@@ -114,10 +90,6 @@ def replay_supported(state0: mx.array, k: mx.array, delta: mx.array) -> bool:
         and k.shape[0] == delta.shape[0]
         and k.dtype in SUPPORTED_DTYPES
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# Kernel paths
 
 
 def tree_plan(parents: Any) -> np.ndarray:
@@ -246,10 +218,6 @@ def gdn_tape_replay(
     return state
 
 
-# ---------------------------------------------------------------------------------------------
-# MLX-ops references, and the dispatch between them and the kernels
-
-
 def depth_levels(parents: np.ndarray) -> list[np.ndarray]:
     """Node indices grouped by depth (root level first)."""
     return _depth_levels(np.asarray(parents, dtype=np.int64).tobytes())
@@ -352,10 +320,6 @@ def _self_check(make: KernelFactory, _verify=gdn_tree_verify, _replay=gdn_tape_r
 self_check.register(
     "gated_deltanet", _self_check, lambda: kernel_sources(), lambda: _kernel_factory()
 )
-
-
-# ---------------------------------------------------------------------------------------------
-# Dispatch
 
 
 def _metal_available() -> bool:

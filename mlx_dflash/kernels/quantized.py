@@ -23,19 +23,6 @@ from . import dispatch as metal_kernels
 from . import self_check
 from .dispatch import KernelFactory
 
-__all__ = [
-    "MAX_ROWS",
-    "SUPPORTED_BITS",
-    "SUPPORTED_DTYPES",
-    "SUPPORTED_GROUPS",
-    "choose_splits",
-    "kernel_sources",
-    "quantized_matmul_metal",
-    "float32_reference",
-    "quantized_matmul_reference",
-    "supported",
-]
-
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)  # every width MLX's affine mode packs
 SUPPORTED_GROUPS = (32, 64, 128)
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
@@ -48,8 +35,6 @@ MIN_SPLIT_STEPS = 4  # never give a split fewer than 4 x BK of K
 
 _METAL_FILE = "quantized_matmul.metal"
 _SECTIONS = ("header", "qmm_small_m")
-_INPUTS = ("x", "w", "scales", "biases", "params")
-_OUTPUTS = ("y",)
 
 
 def kernel_sources() -> dict[str, str]:
@@ -69,9 +54,9 @@ def float32_reference(x, w, scales, biases, group_size: int, bits: int) -> mx.ar
     accumulates half-precision inputs in half precision, its Metal one in float: comparing at
     float32 holds the kernel to the same bound on both.)"""
     f32 = mx.float32
-    y = quantized_matmul_reference(x.astype(f32), w, scales.astype(f32), biases.astype(f32),
-                                   group_size, bits)  # fmt: skip
-    return y
+    return quantized_matmul_reference(
+        x.astype(f32), w, scales.astype(f32), biases.astype(f32), group_size, bits
+    )
 
 
 def supported(x: mx.array, w: mx.array, group_size: int, bits: int, mode: str = "affine") -> bool:
@@ -124,8 +109,8 @@ def quantized_matmul_metal(
         kernel_factory or mx.fast.metal_kernel,
         "qmm_small_m",
         kernel_sources,
-        _INPUTS,
-        _OUTPUTS,
+        ("x", "w", "scales", "biases", "params"),
+        ("y",),
     )
     params = mx.array([m, n, k, per_split], dtype=mx.int32)
     (y,) = kernel(

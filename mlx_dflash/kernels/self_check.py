@@ -16,6 +16,7 @@ or kernels through the same hooks).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import platform
@@ -28,6 +29,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from ..atomic import atomic_file
 from ..paths import cache_root
 
 CACHE_FILE = "kernel-checks.json"
@@ -63,10 +65,6 @@ def register(name: str, check, sources, factory) -> None:
     _families[name] = Family(check, sources, factory)
 
 
-# ---------------------------------------------------------------------------------------------
-# The checks: small cases that reach every kernel of a family, against the MLX-ops references
-
-
 def assert_close(name: str, got: mx.array, want: mx.array, atol: float, rtol: float) -> None:
     got, want = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
     if got.shape != want.shape:
@@ -87,10 +85,6 @@ def run_check(family: str, make: KernelFactory | None = None) -> Verdict:
         msg = " ".join(str(e).split()) or type(e).__name__
         return Verdict(False, msg[:300])
     return Verdict(True, "passed")
-
-
-# ---------------------------------------------------------------------------------------------
-# Verdicts, cached per machine, MLX version and kernel source
 
 
 def cache_path() -> Path:
@@ -122,13 +116,10 @@ def _write_cache(key: str, v: Verdict) -> None:
     data = _read_cache()
     data[key] = {"ok": v.ok, "reason": v.reason}
     path = cache_path()
-    try:
+    text = json.dumps(data, indent=1, sort_keys=True)
+    with contextlib.suppress(OSError):  # unwritable: the check only runs again next time
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        tmp.replace(path)
-    except OSError:
-        pass  # an unwritable cache only means the check runs again next time
+        atomic_file(path, lambda tmp: Path(tmp).write_text(text))
 
 
 _verdicts: dict[str, Verdict] = {}

@@ -25,22 +25,6 @@ from . import self_check
 from .cpu_attention import cpu_attention, use_cpu_attention
 from .dispatch import KernelFactory
 
-__all__ = [
-    "SUPPORTED_DTYPES",
-    "SUPPORTED_HEAD_DIMS",
-    "TreeAttentionPlan",
-    "ancestor_mask",
-    "attention_backend",
-    "choose_splits",
-    "kernel_sources",
-    "metal_supported",
-    "plan_tree_attention",
-    "tree_attention",
-    "tree_attention_metal",
-    "tree_attention_reference",
-    "validate_parents",
-]
-
 ENV_VAR = "DFLASH_ATTENTION"
 SETTING = "attention"  # SETTINGS.attention (settings.py)
 
@@ -56,14 +40,10 @@ MAX_SPLITS = 64
 
 _METAL_FILE = "tree_attention.metal"
 _SECTIONS = ("header", "tree_attention_fwd", "tree_attention_merge")
-_FWD_INPUTS = ("q", "k", "v", "parents", "scale")
-_FWD_OUTPUTS = ("o", "ml")
-_MERGE_INPUTS = ("part_o", "part_ml")
-_MERGE_OUTPUTS = ("out",)
-
-
-# ---------------------------------------------------------------------------------------------
-# Reference path
+_IO = {
+    "tree_attention_fwd": (("q", "k", "v", "parents", "scale"), ("o", "ml")),
+    "tree_attention_merge": (("part_o", "part_ml"), ("out",)),
+}
 
 
 def tree_depths(parents: Any) -> np.ndarray:
@@ -160,10 +140,6 @@ def tree_attention_reference(
     if use_cpu_attention():
         return cpu_attention(q, k, v, float(scale), mask)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=float(scale), mask=mask)
-
-
-# ---------------------------------------------------------------------------------------------
-# Metal path
 
 
 @lru_cache(maxsize=1)
@@ -270,15 +246,13 @@ def plan_tree_attention(
 
 def _kernel(factory: KernelFactory, which: str) -> Any:
     """Build (once per factory) the fwd or merge kernel object from the .metal sources."""
-    fwd = which == "tree_attention_fwd"
     return metal_kernels.cached_kernel(
         factory,
         which,
         kernel_sources,
-        _FWD_INPUTS if fwd else _MERGE_INPUTS,
-        _FWD_OUTPUTS if fwd else _MERGE_OUTPUTS,
+        *_IO[which],
         # fwd reads q/k/v through their strides, so KV-cache slices are not copied.
-        ensure_row_contiguous=not fwd,
+        ensure_row_contiguous=which != "tree_attention_fwd",
     )
 
 
@@ -359,10 +333,6 @@ def _self_check(make: KernelFactory, _kernel=tree_attention_metal) -> None:
 self_check.register(
     "tree_attention", _self_check, lambda: kernel_sources(), lambda: mx.fast.metal_kernel
 )
-
-
-# ---------------------------------------------------------------------------------------------
-# Dispatch
 
 
 def metal_supported(q: mx.array, k: mx.array, v: mx.array) -> bool:
