@@ -100,7 +100,7 @@ def _arena_attention(attn, q, k, v, rows, window) -> mx.array:
         keys = arena.keys[layer][plan.lo : plan.hi, :, :width]
         values = arena.values[layer][plan.lo : plan.hi, :, :width]
         qs = q[0][:, plan.q_at].transpose(1, 0, 2)[:, :, None, :]
-        out = step_attention(qs, keys, values, plan.bias, _scale(attn))
+        out = step_attention(qs, keys, values, plan.bias, facts(attn).scale)
         pieces.append(out[:, :, 0].transpose(1, 0, 2)[None])
     for j, (a, b, c, s, p, par, m) in enumerate(rows):
         if j in plan.steps:
@@ -139,7 +139,7 @@ def attend_cached(attn, q, k, v, cache, start, positions, parents, masks, window
             verify = masks.get("verify", True)
             masks["rotating"] = rotating_mask(cache, start, q.shape[2], positions, parents, verify)
         return mx.fast.scaled_dot_product_attention(
-            q, keys, values, scale=_scale(attn), mask=masks["rotating"]
+            q, keys, values, scale=facts(attn).scale, mask=masks["rotating"]
         )
     held_from = getattr(cache, "dropped", 0)  # a windowed cache's first held position
     return _attend(attn, q, keys, values, start, positions, parents, masks, window, held_from)
@@ -183,10 +183,9 @@ def _project(attn, spec: AttentionSpec, x):
 @dataclass(frozen=True)
 class Facts:
     """What an attention module of mlx-lm's says once and for all, read at its first forward
-    (`facts`): a lookup that misses costs a microsecond or two on an `nn.Module`, several a
-    layer of every forward, and these never change once the model is built (its weights and
-    head counts may, when it is sharded: those are read from the module each time; the sink
-    logits by `sinks`, their attribute's name)."""
+    (`facts`) rather than looked up in every one (module_attr: what a lookup costs). Its
+    weights and head counts may change, when it is sharded: those are read from the module
+    each time; the sink logits by `sinks`, their attribute's name."""
 
     qk_norm: bool  # use_qk_norm (GLM's may be off)
     value_scale: float | None
@@ -227,15 +226,11 @@ def _sinks(attn):
     return None if name is None else attn[name]
 
 
-def _scale(attn) -> float:
-    return facts(attn).scale
-
-
 def _attend(attn, q, keys, values, start, positions, parents, masks, window, held_from):
     """Attention of (1, heads, T, D) queries over the held keys: causal or tree, within a
     sliding window, with sink logits; MLX's fused attention unless the tree kernel or the CPU
     path applies (no sinks, equal key and value widths)."""
-    T, scale, sinks = q.shape[2], _scale(attn), _sinks(attn)
+    T, scale, sinks = q.shape[2], facts(attn).scale, _sinks(attn)
     if window is not None and start + T > window:  # a query may be past some cached key
         if "window" not in masks:  # the same for every sliding layer of this pass
             masks["window"] = window_mask(T, start, positions, parents, window)
@@ -291,7 +286,7 @@ def _quantized_sdpa(attn, q, keys, values, quant, parents, masks) -> mx.array:
     elif T > 1:
         mask = "causal"
     return quantized_scaled_dot_product_attention(  # (its body takes "causal" too)
-        q, keys, values, _scale(attn), mask,  # type: ignore[arg-type]
+        q, keys, values, facts(attn).scale, mask,  # type: ignore[arg-type]
         group_size=quant.group_size, bits=quant.bits,
     )  # fmt: skip
 
@@ -308,6 +303,15 @@ def _rotate(attn, q, k, start: int, positions):
     q = attn.rope(q.transpose(1, 2, 0, 3), offset=positions).transpose(2, 1, 0, 3)
     k = attn.rope(k.transpose(1, 2, 0, 3), offset=positions).transpose(2, 1, 0, 3)
     return q, k
+
+
+def rope_at(rope, x: mx.array, offset) -> mx.array:
+    """x (B, heads, T, d) rotated at positions offset.. (an int or a 0-d array), or with B = 1,
+    each token at its own position (offset an array of T: a tree's, packed blocks')."""
+    if isinstance(offset, mx.array) and offset.ndim == 1:
+        # mx.fast.rope takes one offset per batch row: put the tokens on the batch axis.
+        return rope(x.transpose(2, 1, 0, 3), offset=offset).transpose(2, 1, 0, 3)
+    return rope(x, offset=offset)
 
 
 def window_mask(T: int, start: int, positions, parents, window: int) -> mx.array:

@@ -46,13 +46,6 @@ class KVCache:
         self.offset = needed
         return k_buf[:, :, :needed], v_buf[:, :, :needed]
 
-    def extend(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """All valid rows followed by these, without keeping them (the next append writes
-        over them): a drafter's block attends to them once, and nothing is concatenated."""
-        out = self.append(keys, values)
-        self.offset -= keys.shape[2]
-        return out
-
     def rewind_point(self, length: int) -> int:
         return length
 
@@ -259,11 +252,8 @@ class QuantizedKVCache(KVCache):
     (the next forward, which is the same point), then quantized at once, as mlx-lm's
     `to_quantized` does. A quantized row is a token's packed words, scales and biases: groups
     run along the head dimension, so every row is quantized alone, and `trim` and `compact`
-    move or drop whole rows; no group ever mixes a kept token with a rejected one.
-
-    A verify that starts before `start` and reaches past it attends in float over the float
-    rows and, for its rows at positions from `start` on, over their quantization too
-    (models/attention.py: what mlx-lm computes one step at a time)."""
+    move or drop whole rows; no group ever mixes a kept token with a rejected one (a verify
+    across `start`: models/attention.py _attend_quantized)."""
 
     def __init__(self, quant: KVQuantization) -> None:
         super().__init__()
@@ -304,9 +294,6 @@ class QuantizedKVCache(KVCache):
         assert self.keys is not None and self.values is not None
         self.packed = (self.quantize(self.keys), self.quantize(self.values))
         self.keys = self.values = None
-
-    def extend(self, keys, values):
-        raise NotImplementedError("a target's cache is never extended")
 
     @property
     def state_arrays(self) -> list[mx.array]:
@@ -389,7 +376,8 @@ class ContextCache(KVCache):
         return out
 
     def extend(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """The visible rows followed by these (not kept)."""
+        """The visible rows followed by these, without keeping them (the next append writes
+        over them): a drafter's block attends to them once, and nothing is concatenated."""
         k, v = KVCache.append(self, keys, values)  # never cut the buffer under a block
         self.offset -= keys.shape[2]
         first = self.offset - self.visible

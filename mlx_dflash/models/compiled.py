@@ -103,11 +103,6 @@ def layer(target, i: int, h: mx.array, span, at: mx.array) -> mx.array:
     return after(h, out, *gate)
 
 
-def setting() -> str:
-    """DFLASH_MLX_COMPILE as "auto", "0" or "1"."""
-    return SETTINGS.choice("compile", ("auto", "0", "1"))
-
-
 def measure(target, repeats: int = REPEATS) -> dict[str, float]:
     """A verify's seconds with plain and compiled layers (models/queueing.py time_ways); the
     compiled ones +inf where their output differs from the plain layers' on this device."""
@@ -162,7 +157,7 @@ def choose(target, timer=measure) -> bool:
     from .queueing import _measured
 
     target.compile_timings = None
-    value = setting()
+    value = SETTINGS.choice("compile", ("auto", "0", "1"))  # DFLASH_MLX_COMPILE
     if value != "auto":
         return value == "1"
     if device.on_cpu() or target.world.sharded:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -28,7 +27,7 @@ from ..engine.marginals import Marginals
 from ..errors import DFlashError
 from ..kernels import cpu_math
 from ..kernels.cpu_attention import cpu_attention, use_cpu_attention
-from .attention import module_attr
+from .attention import module_attr, rope_at
 from .cache import ContextCache
 from .dflash2 import CandidateSelector, GroupedDynamicConv
 from .drafter_config import DrafterConfig
@@ -67,36 +66,25 @@ class DrafterAttention(nn.Module):
         if cfg.attention_sink_bias:
             self.attention_sink_bias = mx.zeros((self.n_heads,))
 
-    def _rope(self, t: mx.array, offset: int | mx.array) -> mx.array:
-        """Heads t (B, heads, L, d) at positions offset.. (an int or a 0-d array), or with B = 1,
-        each token at its own position (an array of L: packed blocks, a token a batch row)."""
-        if isinstance(offset, mx.array) and offset.ndim == 1:
-            return self.rope(t.transpose(2, 1, 0, 3), offset=offset).transpose(2, 1, 0, 3)
-        return self.rope(t, offset=offset)
-
     def project_kv(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array]:
-        """K/V of x (B, L, H) at positions `offset` (see _rope), shaped (B, n_kv, L, d)."""
+        """K/V of x (B, L, H) at positions `offset` (attention.rope_at: packed blocks are a
+        position per token), shaped (B, n_kv, L, d)."""
         k = split_heads(x, self.k_proj, self.n_kv_heads, self.k_norm)
         v = split_heads(x, self.v_proj, self.n_kv_heads)
         if self.value_scale is not None:
             v = v * self.value_scale
-        return self._rope(k, offset), v
-
-    def __call__(self, x, caches: list[ContextCache], offset: int | mx.array, masks) -> mx.array:
-        """The blocks packed in x (1, R * bs, H) at positions `offset` (see _rope), q/k/v
-        projected once: block r over the layer's cached context in caches[r] plus itself, under
-        masks[r]. A block's K/V go into its cache's buffer after the context (no copy of the
-        context, which grows with the text) and are not kept: the next append overwrites them."""
-        q, k, v = self.project(x, offset)
-        return self.o_proj(self.attend(q, k, v, caches, masks))
+        return rope_at(self.rope, k, offset), v
 
     def project(self, x: mx.array, offset: int | mx.array):
-        """q (1, heads, L, d), k and v (1, n_kv, L, d) of x at positions `offset` (_rope)."""
-        q = self._rope(split_heads(x, self.q_proj, self.n_heads, self.q_norm), offset)
+        """q (1, heads, L, d), k and v (1, n_kv, L, d) of x at positions `offset` (rope_at)."""
+        q = rope_at(self.rope, split_heads(x, self.q_proj, self.n_heads, self.q_norm), offset)
         return (q, *self.project_kv(x, offset))
 
     def attend(self, q, k, v, caches: list[ContextCache], masks) -> mx.array:
-        """(1, L, heads * dv): each block's queries over its context and itself (__call__)."""
+        """(1, L, heads * dv): the R blocks packed in q, k, v, block r over the layer's cached
+        context in caches[r] plus itself, under masks[r]. A block's K/V go into its cache's
+        buffer after the context (no copy of the context, which grows with the text) and are
+        not kept: the next append overwrites them."""
         L, R = q.shape[2], len(caches)
         bs = L // R
         sinks = module_attr(self, "attention_sink_bias")
@@ -150,36 +138,36 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def __call__(self, h: mx.array, attend, blocks: int = 1) -> mx.array:
-        """h (1, blocks * bs, H): one block, or several packed; `attend` is the attention over
-        them (each block over its own context: DFlashDrafter.__call__)."""
-        return self.mlp_half(h + attend(self.input_layernorm(h)))
+    def __call__(self, h: mx.array, caches, offset, masks, compile_=False) -> mx.array:
+        """h (1, R * bs, H): R blocks at positions `offset` (attention.rope_at), block r
+        over its context caches[r] under masks[r]. `compile_` (one block): the halves through
+        mx.compile (models/compiled.py: the drafter's pass has the same shapes every round),
+        the weights their inputs."""
+        if compile_:
+            fns = self.__dict__.get("_dflash_compiled")  # (not a child: kept off the weights)
+            if fns is None:
+                fns = tuple(mx.compile(f, inputs=self.state) for f in self.halves())
+                self.__dict__["_dflash_compiled"] = fns
+            before, after = fns
+            offset = mx.array(offset, dtype=mx.int32)
+        else:
+            before, after = self.halves(len(caches))
+        q, k, v, *carried = before(h, offset)
+        return after(h, self.self_attn.attend(q, k, v, caches, masks), *carried)
 
-    def mlp_half(self, h: mx.array) -> mx.array:
-        return h + self.mlp.infer(self.post_attention_layernorm(h))
-
-    def halves(self):
-        """The layer around its context cache, for `compiled`: before(h, at) -> q, k, v and
-        what after needs too; after(h, attention output, *that) -> the layer's output."""
+    def halves(self, blocks: int = 1):
+        """The layer around its context cache: before(h, at) -> q, k, v and what after needs
+        too; after(h, attention output, *that) -> the layer's output."""
         attn = self.self_attn
 
         def before(h, at):
             return attn.project(self.input_layernorm(h), at)
 
         def after(h, out):
-            return self.mlp_half(h + attn.o_proj(out))
+            h = h + attn.o_proj(out)
+            return h + self.mlp.infer(self.post_attention_layernorm(h))
 
         return before, after
-
-    def compiled(self, h: mx.array, cache: ContextCache, offset: int, mask) -> mx.array:
-        """The layer over one block, its halves through mx.compile (models/compiled.py: the
-        drafter's pass has the same shapes every round), its weights their inputs."""
-        fns = self.__dict__.get("_dflash_compiled")  # (not a child module: kept off the weights)
-        if fns is None:
-            fns = tuple(mx.compile(f, inputs=self.state) for f in self.halves())
-            self.__dict__["_dflash_compiled"] = fns
-        q, k, v, *carried = fns[0](h, mx.array(offset, dtype=mx.int32))
-        return fns[1](h, self.self_attn.attend(q, k, v, [cache], [mask]), *carried)
 
 
 class DFlash2Layer(DrafterLayer):
@@ -191,8 +179,10 @@ class DFlash2Layer(DrafterLayer):
         self.attention_conv = GroupedDynamicConv(*conv)
         self.mlp_conv = GroupedDynamicConv(*conv)
 
-    def __call__(self, h: mx.array, attend, blocks: int = 1) -> mx.array:
-        """As DrafterLayer's; the convolutions run along each block."""
+    def halves(self, blocks: int = 1):
+        """As DrafterLayer's, the attention convolution's second half carried; the
+        convolutions run along each block."""
+        attn = self.self_attn
 
         def split(t):  # (1, blocks * bs, H) <-> (blocks, bs, H)
             return t if blocks == 1 else t.reshape(blocks, -1, t.shape[-1])
@@ -200,23 +190,14 @@ class DFlash2Layer(DrafterLayer):
         def packed(t):
             return t if blocks == 1 else t.reshape(1, -1, t.shape[-1])
 
-        x, d = self.attention_conv.prepare(split(self.input_layernorm(h)))
-        h = h + packed(self.attention_conv.finish(split(attend(packed(x))), d))
-        x, d = self.mlp_conv.prepare(split(self.post_attention_layernorm(h)))
-        return h + packed(self.mlp_conv.finish(self.mlp.infer(x), d))
-
-    def halves(self):
-        """As DrafterLayer's, one block; the attention convolution's second half carried."""
-        attn = self.self_attn
-
         def before(h, at):
-            x, d = self.attention_conv.prepare(self.input_layernorm(h))
-            return (*attn.project(x, at), d)
+            x, d = self.attention_conv.prepare(split(self.input_layernorm(h)))
+            return (*attn.project(packed(x), at), d)
 
         def after(h, out, d):
-            h = h + self.attention_conv.finish(attn.o_proj(out), d)
-            x, d = self.mlp_conv.prepare(self.post_attention_layernorm(h))
-            return h + self.mlp_conv.finish(self.mlp.infer(x), d)
+            h = h + packed(self.attention_conv.finish(split(attn.o_proj(out)), d))
+            x, d = self.mlp_conv.prepare(split(self.post_attention_layernorm(h)))
+            return h + packed(self.mlp_conv.finish(self.mlp.infer(x), d))
 
         return before, after
 
@@ -306,10 +287,7 @@ class DFlashDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             cs = [c[i] for c in caches]
             masks = [self.block_mask(i, s, c.visible, bs) for c, s in zip(cs, starts, strict=True)]
-            if compile_:
-                h = layer.compiled(h, cs[0], starts[0], masks[0])
-            else:
-                h = layer(h, partial(layer.self_attn, caches=cs, offset=offset, masks=masks), R)
+            h = layer(h, cs, offset, masks, compile_)
             if queue:
                 mx.async_eval(h)
         return self.norm(h)[0]

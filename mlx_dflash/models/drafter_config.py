@@ -34,6 +34,13 @@ DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selec
 # acceptance rate can change, never the output.
 UNUSED_DFLASH_FIELDS = ("num_anchors", "loss_decay_gamma", "backbone_rotary_base")
 ACTIVATIONS = (None, "silu")
+# Optional numbers, read from dflash_config (or the top level) and written there when set.
+OPTIONAL_FLOATS = (
+    "input_embedding_scale",
+    "output_multiplier",
+    "final_logit_softcapping",
+    "attention_value_scale",
+)
 
 
 def architecture_of(cfg: dict[str, Any]) -> str | None:
@@ -42,11 +49,9 @@ def architecture_of(cfg: dict[str, Any]) -> str | None:
     archs = cfg.get("architectures") or ()
     if isinstance(archs, str):
         archs = (archs,)
-    for arch in (DRAFTER2_ARCHITECTURE, DRAFTER_ARCHITECTURE):
+    for arch in (DRAFTER2_ARCHITECTURE, DRAFTER_ARCHITECTURE, *DFLASH1_ALIASES):
         if arch in archs:
-            return arch
-    if any(arch in archs for arch in DFLASH1_ALIASES):
-        return DRAFTER_ARCHITECTURE
+            return DRAFTER_ARCHITECTURE if arch in DFLASH1_ALIASES else arch
     return None
 
 
@@ -125,8 +130,8 @@ def _causality(cfg: dict, dcfg: dict, use_swa: bool) -> bool | None:
 
 def _attention_fields(cfg: dict, dcfg: dict, head_dim: int) -> dict[str, Any]:
     """The attention variants beyond Qwen3's: q/k/v/o biases (gpt-oss drafters), per-head sink
-    logits and a value scale (MiMo's, as its target's sliding layers and mlx-lm's
-    mimo_v2_flash use them), a value head size and partial RoPE. Checked."""
+    logits (MiMo's, as its target's sliding layers and mlx-lm's mimo_v2_flash use them; its
+    value scale is one of OPTIONAL_FLOATS), a value head size and partial RoPE. Checked."""
     if cfg.get("hidden_act") not in ACTIVATIONS:
         raise DFlashError(
             f"The drafter's hidden_act '{cfg['hidden_act']}' is not supported: its MLP is SiLU-gated."
@@ -142,7 +147,6 @@ def _attention_fields(cfg: dict, dcfg: dict, head_dim: int) -> dict[str, Any]:
             f"The drafter's partial_rotary_factor {factor} does not give an even number of "
             f"rotated dimensions out of its head_dim {head_dim}."
         )
-    value_scale = dcfg.get("attention_value_scale", cfg.get("attention_value_scale"))
     sinks = dcfg.get("attention_sink_bias", cfg.get("attention_sink_bias"))
     v_head_dim = cfg.get("v_head_dim")
     return {
@@ -150,8 +154,13 @@ def _attention_fields(cfg: dict, dcfg: dict, head_dim: int) -> dict[str, Any]:
         "partial_rotary_factor": factor,
         "attention_bias": bool(cfg.get("attention_bias")),
         "attention_sink_bias": bool(sinks),
-        "attention_value_scale": None if value_scale is None else float(value_scale),
     }
+
+
+def _optional_floats(cfg: dict, dcfg: dict) -> dict[str, Any]:
+    """OPTIONAL_FLOATS as numbers, None where the config has none."""
+    values = {k: dcfg.get(k, cfg.get(k)) for k in OPTIONAL_FLOATS}
+    return {k: None if v is None else float(v) for k, v in values.items()}
 
 
 def _dflash2_fields(cfg: dict, dcfg: dict, hidden: int) -> dict[str, int]:
@@ -291,10 +300,6 @@ class DrafterConfig:
         rope_theta, rope_scaling = _rope(cfg)
         layer_types, sliding_window, use_swa = _layer_types(cfg, dcfg, n_layers)
 
-        def opt_float(key: str) -> float | None:
-            v = dcfg.get(key, cfg.get(key))
-            return None if v is None else float(v)
-
         is_causal = _causality(cfg, dcfg, use_swa)
         dflash2: dict[str, Any] = _dflash2_fields(cfg, dcfg, hidden)
         vocab = cfg.get("vocab_size")
@@ -319,9 +324,7 @@ class DrafterConfig:
             layer_types=layer_types,
             sliding_window=sliding_window,
             is_causal=is_causal,
-            input_embedding_scale=opt_float("input_embedding_scale"),
-            output_multiplier=opt_float("output_multiplier"),
-            final_logit_softcapping=opt_float("final_logit_softcapping"),
+            **_optional_floats(cfg, dcfg),
             **_attention_fields(cfg, dcfg, head_dim),
             **dflash2,
         )
@@ -337,12 +340,7 @@ class DrafterConfig:
             v = d.pop(k)
             if self.kind == "dflash2":
                 dflash[k] = v
-        for k in (
-            "input_embedding_scale",
-            "output_multiplier",
-            "final_logit_softcapping",
-            "attention_value_scale",
-        ):
+        for k in OPTIONAL_FLOATS:
             v = d.pop(k)
             if v is not None:
                 dflash[k] = v

@@ -177,16 +177,11 @@ ARCHITECTURES: dict[str, Family] = {
     "mimo_v2_flash": Family(sliding=by_layer_flag),
 }
 # Families mlx-lm runs that cannot be verified exactly here, with the reason.
-REFUSED = {
-    "glm_moe_dsa": (
-        "GLM-5's DSA sparse attention picks each query's keys with an indexer's top-k, which a "
-        "draft tree's verify cannot reproduce exactly yet"
-    ),
-    "deepseek_v32": (
-        "DeepSeek-V3.2's DSA sparse attention picks each query's keys with an indexer's top-k, "
-        "which a draft tree's verify cannot reproduce exactly yet"
-    ),
-}
+_DSA = (
+    "{}'s DSA sparse attention picks each query's keys with an indexer's top-k, which a draft "
+    "tree's verify cannot reproduce exactly yet"
+)
+REFUSED = {"glm_moe_dsa": _DSA.format("GLM-5"), "deepseek_v32": _DSA.format("DeepSeek-V3.2")}
 # Text-only exports of the multimodal Qwen3.5 / 3.6 checkpoints name their language model's own
 # type; mlx-lm builds both layouts from the wrapper's module (its ModelArgs accepts a flat config).
 TEXT_MODEL_TYPES = {

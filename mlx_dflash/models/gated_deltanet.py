@@ -202,31 +202,30 @@ def gdn_forward(layer, x: mx.array, cache: RecurrentCache, start: int, parents, 
         )
         cache.conv = conv_in[:, -(K - 1) :]
         cache.state = state
-        cache.offset = start + T
         cache.pending = None
-        return _reduced(layer, layer.out_proj(layer.norm(out, z).reshape(B, T, -1)))
-    chain = parents is None
-    parents = np.arange(-1, T - 1) if chain else np.asarray(parents)
-    rows = mx.concatenate([conv0[0], qkv[0]])  # (K-1+T, conv_dim)
-    window = rows[mx.array(conv_window_index(parents, K))]  # (T, K, conv_dim)
-    conv_out = nn.silu((window * w.T[None]).sum(axis=1))
-    q, k, v = _split_qkv(layer, conv_out)  # q, k keep Hk heads: the kernels map hv -> hk
-    beta = mx.sigmoid(b[0])
-    g = compute_g(layer.A_log, a[0], layer.dt_bias)
-    y, delta = tree_recurrence(q, k, v, g, beta, state0[0], parents)
-    cache.pending = dict(
-        start=start,
-        chain=chain,
-        state0=state0[0],
-        conv0=conv0,
-        inputs=qkv[0],
-        k=k,
-        g=g,
-        delta=delta,
-    )
+    else:
+        chain = parents is None
+        parents = np.arange(-1, T - 1) if chain else np.asarray(parents)
+        rows = mx.concatenate([conv0[0], qkv[0]])  # (K-1+T, conv_dim)
+        window = rows[mx.array(conv_window_index(parents, K))]  # (T, K, conv_dim)
+        conv_out = nn.silu((window * w.T[None]).sum(axis=1))
+        q, k, v = _split_qkv(layer, conv_out)  # q, k keep Hk heads: the kernels map hv -> hk
+        beta = mx.sigmoid(b[0])
+        g = compute_g(layer.A_log, a[0], layer.dt_bias)
+        y, delta = tree_recurrence(q, k, v, g, beta, state0[0], parents)
+        cache.pending = dict(
+            start=start,
+            chain=chain,
+            state0=state0[0],
+            conv0=conv0,
+            inputs=qkv[0],
+            k=k,
+            g=g,
+            delta=delta,
+        )
+        out = y[None].astype(x.dtype)
     cache.offset = start + T
-    out = layer.norm(y[None].astype(x.dtype), z)
-    return _reduced(layer, layer.out_proj(out.reshape(B, T, -1)))
+    return _reduced(layer, layer.out_proj(layer.norm(out, z).reshape(B, T, -1)))
 
 
 def _reduced(layer, out: mx.array) -> mx.array:

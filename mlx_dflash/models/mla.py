@@ -15,19 +15,12 @@ import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention
 
 from ..kernels.tree_attention import ancestor_mask
+from .attention import rope_at
 from .cache import KVCache
 
 
 def is_mla(attn) -> bool:
     return hasattr(attn, "kv_a_proj_with_mqa")
-
-
-def _rope(attn, x: mx.array, start: int, positions: mx.array | None) -> mx.array:
-    """x (1, heads, T, d): positions start.. or one position per token."""
-    if positions is None:
-        return attn.rope(x, start)
-    # mx.fast.rope takes one offset per batch row: put the tokens on the batch axis.
-    return attn.rope(x.transpose(2, 1, 0, 3), positions).transpose(2, 1, 0, 3)
 
 
 def mla_attention(
@@ -46,8 +39,9 @@ def mla_attention(
     compressed, k_pe = mx.split(attn.kv_a_proj_with_mqa(x), [attn.kv_lora_rank], axis=-1)
     k_pe = k_pe.reshape(1, T, 1, attn.qk_rope_head_dim).transpose(0, 2, 1, 3)
     latent = mx.expand_dims(attn.kv_a_layernorm(compressed), axis=1)
-    q_pe = _rope(attn, q_pe, start, positions)
-    k_pe = _rope(attn, k_pe, start, positions)
+    at = start if positions is None else positions
+    q_pe = rope_at(attn.rope, q_pe, at)
+    k_pe = rope_at(attn.rope, k_pe, at)
     latent, k_pe = cache.append(latent, k_pe)
     S = latent.shape[2]
 

@@ -90,10 +90,8 @@ class RowPadding:
 
     @classmethod
     def for_target(cls, target) -> RowPadding | None:
-        """The target's padding: None on Metal or for a target sharded over machines; else as
-        DFLASH_MLX_ROW_PADDING says: "0" none, a number k up to multiples of k, unset (or
-        "auto") the measured table, cached, else measured (seconds, once per model and
-        machine)."""
+        """The target's padding (the module doc): none on Metal or for a target sharded over
+        machines, else as DFLASH_MLX_ROW_PADDING says."""
         if not on_cpu() or target.stage is not None or not blas_weights(target):
             return None
         setting = SETTINGS.row_padding or "auto"

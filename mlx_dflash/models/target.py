@@ -209,14 +209,12 @@ class Target:
 
     def _untied_head(self):
         """The model's own lm_head, or None when it is tied to the embeddings."""
-        owner = getattr(self.model, "language_model", self.model)
-        return getattr(owner, "lm_head", None)
+        return getattr(language_model(self.model), "lm_head", None)
 
     @property
     def vocab_sharding(self):
         """The group mlx-lm split the LM head's vocabulary over (Qwen3.5's shard), or None."""
-        owner = getattr(self.model, "language_model", self.model)
-        return getattr(owner, "sharding_group", None)
+        return getattr(language_model(self.model), "sharding_group", None)
 
     def lm_head(self, h: mx.array) -> mx.array:
         head = self._untied_head()
@@ -261,13 +259,9 @@ class Target:
         return held[1]
 
     def forward(self, passes: list[Pass]) -> list[tuple[mx.array | None, mx.array | None]]:
-        """Each pass's (logits, taps), one alone or several packed (models/forward.py).
-
-        A pass of T tokens after `start` cached positions: parents=None, a causal block at
-        start..start+T-1; else a tree, token i at start + depth(i) seeing the prefix, itself
-        and its ancestors. Logits (T or 1, V) per its `logits` in {"all", "last", "none"},
-        taps (T, n*H); rewindable=False (prefill, plain decoding) lets recurrent layers skip
-        the verify tape."""
+        """As engine/contract.py's TargetModel.forward (models/forward.py): logits (T or 1, V)
+        per the pass's `logits` ("all", "last", "none"), taps (T, n*H); rewindable=False
+        (prefill, plain decoding) lets recurrent layers skip the verify tape."""
         return forward(self, passes)
 
     def head(self, h: mx.array, logits: str, real: int | None = None) -> mx.array | None:

@@ -22,6 +22,15 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 TARGET_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+ARCHS = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+    "qwen3_next": "Qwen3NextForCausalLM",
+}
 DRAFTER_VARIANTS = (
     "toplevel_block_size",
     "dflash_config_block_size",
@@ -62,23 +71,23 @@ def _merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]
 # Targets
 
 
+_MOE = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+}
+
+
 def tiny_target_config(model_type: str, **overrides: Any) -> dict[str, Any]:
     """A small valid config.json for an mlx-lm model type; kwargs override (None deletes)."""
-    if model_type not in TARGET_TYPES + HYBRID_TYPES:
+    if model_type not in ARCHS:
         raise ValueError(
             f"tiny targets exist for {TARGET_TYPES + HYBRID_TYPES}, not {model_type!r}"
         )
-    arch = {
-        "llama": "LlamaForCausalLM",
-        "qwen2": "Qwen2ForCausalLM",
-        "qwen3": "Qwen3ForCausalLM",
-        "qwen3_moe": "Qwen3MoeForCausalLM",
-        "qwen3_5": "Qwen3_5ForConditionalGeneration",
-        "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
-        "qwen3_next": "Qwen3NextForCausalLM",
-    }[model_type]
     cfg: dict[str, Any] = {
-        "architectures": [arch],
+        "architectures": [ARCHS[model_type]],
         "model_type": model_type,
         "hidden_size": 64,
         "num_hidden_layers": 6,
@@ -97,8 +106,7 @@ def tiny_target_config(model_type: str, **overrides: Any) -> dict[str, Any]:
         "torch_dtype": "float32",
     }
     if model_type == "llama":
-        cfg["attention_bias"] = False
-        cfg["mlp_bias"] = False
+        cfg.update(attention_bias=False, mlp_bias=False)
     if model_type in HYBRID_TYPES:
         # Gated DeltaNet layers (3 of every 4) + gated full attention with partial RoPE.
         cfg.update(
@@ -118,25 +126,10 @@ def tiny_target_config(model_type: str, **overrides: Any) -> dict[str, Any]:
                 "rope_theta": 10000.0,
                 "partial_rotary_factor": 0.5,
             }
-    if model_type in ("qwen3_5_moe", "qwen3_next"):
-        cfg.update(
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=32,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            norm_topk_prob=True,
-        )
     if model_type == "qwen3_moe":
-        cfg.update(
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=64,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            norm_topk_prob=True,
-        )
+        cfg.update(_MOE, moe_intermediate_size=64)
+    if model_type in ("qwen3_5_moe", "qwen3_next"):
+        cfg.update(_MOE, moe_intermediate_size=32, shared_expert_intermediate_size=32)
     return _merge(cfg, overrides)
 
 
@@ -281,15 +274,10 @@ def drafter_config_dict(
     block_size: int = 16,
     **overrides: Any,
 ) -> dict[str, Any]:
-    """A raw z-lab-style drafter config.json for `target_cfg`, in one published variant.
-
-    Variants: "toplevel_block_size", "dflash_config_block_size", "rope_parameters",
-    "no_target_layer_ids" (keeps num_target_layers), "sliding" (layer_types + sliding_window),
-    "is_causal", "embedding_scale_softcap", and the fields of newer published drafters (see
-    `_published_variant`): "use_swa_sinks" (MiMo), "attention_bias" (gpt-oss), "assistant"
-    (Muse Glimmer's), "yarn" (Kimi), "tied_softcap" (Gemma 4). Top-level kwargs override (None
-    deletes a key); a `dflash_config={...}` kwarg is merged into the nested block the same
-    way. The mask token is the target's last vocabulary id.
+    """A raw z-lab-style drafter config.json for `target_cfg`, in one published variant of
+    DRAFTER_VARIANTS (the newer drafters' fields: `_published_variant`). Top-level kwargs
+    override (None deletes a key); a `dflash_config={...}` kwarg is merged into the nested block
+    the same way. The mask token is the target's last vocabulary id.
     """
     if variant not in DRAFTER_VARIANTS:
         raise ValueError(f"unknown drafter variant {variant!r}; use one of {DRAFTER_VARIANTS}")
