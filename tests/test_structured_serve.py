@@ -185,6 +185,23 @@ def test_strict_tools_under_auto_constrain_calls_and_leave_text_free(served, cli
     assert not accepts(good + "\n" + again)
 
 
+def test_strict_tool_without_parameters_is_an_empty_parameter_list(served, client):
+    """OpenAI's `parameters` are optional (none: an empty parameter list), strict tools too."""
+    from mlx_dflash.engine.grammar import compile_grammar
+    from mlx_dflash.server.tools import parse_tools
+
+    bare = {"type": "function", "function": {"name": "ping", "strict": True}}
+    r = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=8, tools=[bare],
+                                       tool_choice="required")  # fmt: skip
+    assert r.choices[0].finish_reason in ("tool_calls", "length")
+    app, tok = served[0], served[0].tokenizer
+    spec = tool_grammar(tok, parse_tools({"tools": [bare]}), {"ping"})
+    g = compile_grammar(spec, tok, app.target.vocab_size, stop_ids(tok))
+    call = '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
+    ids = tok.encode(call, add_special_tokens=False) + [sorted(stop_ids(tok))[0]]
+    assert g.matcher.validate_tokens(ids) == len(ids)
+
+
 def test_anthropic_strict_tool(served):
     anthropic = pytest.importorskip("anthropic", reason="the anthropic client is a dev dependency")
     claude = anthropic.Anthropic(base_url=served[1], api_key="none", max_retries=0)

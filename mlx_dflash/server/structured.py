@@ -86,7 +86,10 @@ def tool_grammar(tokenizer, tools: Tools, strict: set[str]) -> GrammarSpec | Non
             f"tool-call format is {family}.",
             param="tools",
         )
-    specs = {s["function"]["name"]: s["function"]["parameters"] for s in tools.specs}
+    specs = {}
+    for fn in (s["function"] for s in tools.specs):
+        params = fn.get("parameters")  # optional (OpenAI): none is an empty parameter list
+        specs[fn["name"]] = {"type": "object", "properties": {}} if params is None else params
     start, end = (
         _literal(tokenizer, m) for m in (tokenizer.tool_call_start, tokenizer.tool_call_end)
     )
