@@ -297,14 +297,6 @@ class Stage:
     hi: int
     n_layers: int
 
-    @property
-    def first(self) -> bool:
-        return self.lo == 0
-
-    @property
-    def last(self) -> bool:
-        return self.hi == self.n_layers
-
     def make_cache(self, target) -> list:
         return [
             target.layer_cache(i) if self.lo <= i < self.hi else OtherRankCache()
@@ -315,24 +307,24 @@ class Stage:
         """Pass p (engine/contract.py) through my layers; logits and taps summed over ranks."""
         from .models.forward import place, run_layers
 
-        g, rank = self.world.group, self.world.rank
+        g, rank, last = self.world.group, self.world.rank, self.hi == self.n_layers
         T, H = p.tokens.shape[0], target.hidden_size
         dtype = target.inner.embed_tokens.weight.dtype
         if dtype not in (mx.float32, mx.float16, mx.bfloat16):
             dtype = target.inner.norm.weight.dtype
-        if self.first:
+        if self.lo == 0:
             h = target.embed(p.tokens[None])
         else:
             h = mx.distributed.recv((1, T, H), dtype, rank - 1, group=g)
         h, tapped = run_layers(target, h, range(self.lo, self.hi), [place(p)])
         logits = p.logits
-        if not self.last:
+        if not last:
             h = mx.distributed.send(h, rank + 1, group=g)
         dep = h.reshape(-1)[:1].astype(mx.float32) * 0  # orders what follows after the send
         out_logits = None
         if logits != "none":
             rows = T if logits == "all" else 1
-            if self.last:
+            if last:
                 mine = target.head(h, logits).astype(mx.float32)
             else:
                 mine = mx.zeros((rows, target.vocab_size), mx.float32) + dep

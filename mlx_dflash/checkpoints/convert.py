@@ -14,7 +14,6 @@ import io
 import json
 import re
 import shutil
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -106,25 +105,10 @@ def _from_hub(fetch, repo_id: str) -> Path:
         ) from e
 
 
-def check_config(cfg: dict[str, Any], kind: str = "auto") -> str:
-    """The kind of checkpoint a config.json describes, after checking that it can run here:
-    a target's architecture is supported, a drafter is a DFlash drafter. Returns the kind."""
-    from ..models.families import architecture
-
-    kind = detect_kind(cfg, kind)
-    if kind == "target":
-        architecture(cfg)
-    elif not is_drafter_config(cfg):
-        raise DFlashError(
-            "This is not a DFlash drafter (its config.json architectures do not list "
-            "DFlashDraftModel); pass a drafter to --drafter."
-        )
-    return kind
-
-
 def resolve_source(source: str | Path, kind: str = "auto") -> Path:
     """A local folder as is; anything shaped like `org/name` that is not one comes from the hub,
-    whose config.json is fetched and checked (`check_config`) before any weight."""
+    whose config.json is fetched and checked before any weight: a target's architecture runs
+    here, a drafter is a DFlash drafter."""
     path = Path(source).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -132,9 +116,18 @@ def resolve_source(source: str | Path, kind: str = "auto") -> Path:
         return path
     if not _REPO_ID.match(str(source)):
         raise DFlashError(f"The source folder {source} does not exist.")
+    from ..models.families import architecture
+
     config = _from_hub(_download_config, str(source))
     try:
-        check_config(read_config(config.parent), kind)
+        cfg = read_config(config.parent)
+        if detect_kind(cfg, kind) == "target":
+            architecture(cfg)
+        elif not is_drafter_config(cfg):
+            raise DFlashError(
+                "This is not a DFlash drafter (its config.json architectures do not list "
+                "DFlashDraftModel); pass a drafter to --drafter."
+            )
     except DFlashError as e:
         raise DFlashError(f"{source}: {e}") from None
     return _from_hub(_snapshot_download, str(source))
@@ -192,19 +185,6 @@ def _pick_dtype(dtype: str | None, cfg: dict[str, Any]) -> str | None:
             if c.get(key) in DTYPES:
                 return c[key]
     return None
-
-
-def _check_quant_args(bits: int, group_size: int) -> None:
-    if bits not in Q_BITS:
-        raise DFlashError(f"--q-bits must be one of {Q_BITS}, not {bits}.")
-    if group_size not in Q_GROUP_SIZES:
-        raise DFlashError(f"--q-group-size must be one of {Q_GROUP_SIZES}, not {group_size}.")
-
-
-def _check_readable(source: Path) -> None:
-    """Open every weight file up front so a corrupt one is named before any work is done."""
-    for f in weight_files(source):
-        load_safetensors(f)
 
 
 # --------------------------------------------------------------------------------------------
@@ -332,7 +312,8 @@ def convert_target(
     if is_drafter_config(cfg):
         raise DFlashError(f"{source} is a DFlash drafter, not a target; drop --kind target.")
     architecture(cfg)
-    _check_readable(source)
+    for f in weight_files(source):  # a corrupt file is named before any work is done
+        load_safetensors(f)
     with progress() as bar:
         bar.add_task("Loading target with mlx-lm", total=None)
         model, config = _load_target(source)
@@ -360,11 +341,9 @@ def convert_target(
 
     save_weights(out, dict(tree_flatten(model.parameters())))
     save_config(config, out / "config.json")
-    copied = 0
     for pattern in TOKENIZER_PATTERNS:
         for f in source.glob(pattern):
             shutil.copy2(f, out / f.name)
-            copied += 1
     if not (out / "tokenizer_config.json").exists() and not (out / "tokenizer.json").exists():
         from rich.console import Console
 
@@ -380,7 +359,6 @@ def convert_target(
 
 def detect_kind(cfg: dict[str, Any], kind: str = "auto") -> str:
     """'drafter' when config.json's architectures list DFlashDraftModel, else 'target'."""
-    kind = kind.value if isinstance(kind, Enum) else kind
     if kind not in ("auto", "target", "drafter"):
         raise DFlashError(f"--kind must be auto, target or drafter, not {kind}.")
     if kind != "auto":
@@ -408,10 +386,12 @@ def convert(
     out = Path(out).expanduser()
     if (out.exists() or out.is_symlink()) and not force:
         raise DFlashError(f"The output folder {out} already exists; pass --force to replace it.")
-    if quantize:
-        _check_quant_args(q_bits, q_group_size)
+    if quantize and q_bits not in Q_BITS:
+        raise DFlashError(f"--q-bits must be one of {Q_BITS}, not {q_bits}.")
+    if quantize and q_group_size not in Q_GROUP_SIZES:
+        raise DFlashError(f"--q-group-size must be one of {Q_GROUP_SIZES}, not {q_group_size}.")
     if dtype is not None:
-        dtype = _pick_dtype(dtype.value if isinstance(dtype, Enum) else dtype, {})
+        dtype = _pick_dtype(dtype, {})
     src = resolve_source(source, kind)
     if out.resolve() in (src.resolve(), *src.resolve().parents):
         raise DFlashError(f"The output folder {out} must not be the source folder or contain it.")

@@ -164,46 +164,20 @@ def strip_model_prefix(weights: dict[str, mx.array]) -> dict[str, mx.array]:
 # Drafter tensors
 
 
-def is_drafter_linear(name: str) -> bool:
-    """True for the `X.weight` of a drafter linear layer (fc, attention and MLP projections)."""
-    if not name.endswith(".weight"):
-        return False
-    base = name[: -len(".weight")]
-    return any(base == lin or base.endswith("." + lin) for lin in DRAFTER_LINEARS)
-
-
 def quantizable_base(name: str) -> str | None:
     """`X` for a tensor quantization may pack (a linear's `X.weight`, or a codebook `X`)."""
     if name in CODEBOOKS:
         return name
-    return name[: -len(".weight")] if is_drafter_linear(name) else None
-
-
-def _attention_shapes(cfg: DrafterConfig, p: str) -> dict[str, tuple[int, ...]]:
-    """One layer's attention tensors: projections, q/k norms, and the variants' biases and
-    sink logits."""
-    h, hd, nh = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads
-    q, kv, vo = nh * hd, cfg.num_key_value_heads * hd, cfg.value_head_dim
-    v = cfg.num_key_value_heads * vo
-    shapes: dict[str, tuple[int, ...]] = {
-        p + "q_proj.weight": (q, h),
-        p + "k_proj.weight": (kv, h),
-        p + "v_proj.weight": (v, h),
-        p + "o_proj.weight": (h, nh * vo),
-        p + "q_norm.weight": (hd,),
-        p + "k_norm.weight": (hd,),
-    }
-    if cfg.attention_bias:
-        for proj, size in (("q", q), ("k", kv), ("v", v), ("o", h)):
-            shapes[f"{p}{proj}_proj.bias"] = (size,)
-    if cfg.attention_sink_bias:
-        shapes[p + "attention_sink_bias"] = (nh,)
-    return shapes
+    base = name.removesuffix(".weight")
+    linear = any(base == lin or base.endswith("." + lin) for lin in DRAFTER_LINEARS)
+    return base if base != name and linear else None
 
 
 def drafter_weight_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a drafter checkpoint must hold, with its torch [out, in] shape."""
-    h, inter = cfg.hidden_size, cfg.intermediate_size
+    h, inter, hd, nh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_attention_heads
+    q, kv, vo = nh * hd, cfg.num_key_value_heads * hd, cfg.value_head_dim
+    v = cfg.num_key_value_heads * vo
     shapes: dict[str, tuple[int, ...]] = {
         "fc.weight": (h, cfg.num_taps * h),
         "hidden_norm.weight": (h,),
@@ -213,7 +187,15 @@ def drafter_weight_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
         p = f"layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes.update(_attention_shapes(cfg, p + "self_attn."))
+        a = p + "self_attn."
+        shapes.update({a + "q_proj.weight": (q, h), a + "k_proj.weight": (kv, h)})
+        shapes.update({a + "v_proj.weight": (v, h), a + "o_proj.weight": (h, nh * vo)})
+        shapes.update({a + "q_norm.weight": (hd,), a + "k_norm.weight": (hd,)})
+        if cfg.attention_bias:  # and the variants' biases and sink logits
+            for proj, size in (("q", q), ("k", kv), ("v", v), ("o", h)):
+                shapes[f"{a}{proj}_proj.bias"] = (size,)
+        if cfg.attention_sink_bias:
+            shapes[a + "attention_sink_bias"] = (nh,)
         shapes[p + "mlp.gate_proj.weight"] = (inter, h)
         shapes[p + "mlp.up_proj.weight"] = (inter, h)
         shapes[p + "mlp.down_proj.weight"] = (h, inter)
@@ -229,18 +211,6 @@ def drafter_weight_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
             shapes[name] = (vocab, cfg.selector_rank)
         shapes["candidate_selector.hidden_projection.weight"] = (cfg.selector_rank, h)
     return shapes
-
-
-def quantized_shapes(
-    shape: tuple[int, ...], group_size: int, bits: int
-) -> dict[str, tuple[int, ...]]:
-    """Shapes of MLX's affine-quantized layout for an [out, in] weight (nn.QuantizedLinear)."""
-    out_dim, in_dim = shape
-    return {
-        "weight": (out_dim, in_dim * bits // 32),
-        "scales": (out_dim, in_dim // group_size),
-        "biases": (out_dim, in_dim // group_size),
-    }
 
 
 def check_drafter_weights(
@@ -272,9 +242,10 @@ def check_drafter_weights(
         gs, bits = int(quantization["group_size"]), int(quantization["bits"])
         for name, shape in list(expected.items()):
             base = quantizable_base(name)
-            if base is not None and f"{base}.scales" in weights:
-                for part, s in quantized_shapes(shape, gs, bits).items():
-                    expected[name if part == "weight" else f"{base}.{part}"] = s
+            if base is not None and f"{base}.scales" in weights:  # MLX's affine layout
+                out_dim, in_dim = shape
+                expected[name] = (out_dim, in_dim * bits // 32)
+                expected[f"{base}.scales"] = expected[f"{base}.biases"] = (out_dim, in_dim // gs)
     for name, shape in expected.items():
         if name not in weights:
             raise DFlashError(f"The drafter checkpoint is missing tensor '{name}'.")
@@ -295,14 +266,11 @@ def check_drafter_weights(
 def check_pair(drafter_cfg: DrafterConfig, target_cfg: dict[str, Any]) -> None:
     """Raise a one-sentence DFlashError unless the drafter fits the target (raw config.json)."""
     t = text_config(target_cfg)
-    for key in ("hidden_size", "vocab_size", "num_hidden_layers"):
+    keys = ("hidden_size", "vocab_size", "num_hidden_layers")
+    for key in keys:
         if key not in t:
             raise DFlashError(f"The target config.json has no '{key}' field.")
-    hidden, vocab, n_layers = (
-        int(t["hidden_size"]),
-        int(t["vocab_size"]),
-        int(t["num_hidden_layers"]),
-    )
+    hidden, vocab, n_layers = (int(t[k]) for k in keys)
     if drafter_cfg.hidden_size != hidden:
         raise DFlashError(
             f"The drafter's hidden size {drafter_cfg.hidden_size} differs from the target's "

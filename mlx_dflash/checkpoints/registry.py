@@ -34,21 +34,11 @@ class Pair:
 
     target: str
     drafter: str
-    kind: str  # "dflash" | "dflash2" | "assistant"
     model_type: str
-    source: str
-    default: bool = True
+    source: str = ZLAB
     config: tuple[tuple[str, object], ...] = ()
-
-
-def _z(
-    target: str,
-    drafter: str,
-    model_type: str,
-    source: str = ZLAB,
-    config: tuple[tuple[str, object], ...] = (),
-) -> Pair:
-    return Pair(target, drafter, "dflash", model_type, source, config=config)
+    kind: str = "dflash"  # | "dflash2" | "assistant"
+    default: bool = True
 
 
 # Gemma 4's large models, as their published text_config says: no KV sharing between layers and
@@ -58,60 +48,62 @@ _GEMMA4_MOE = (("num_kv_shared_layers", 0), ("hidden_size_per_layer_input", None
 
 
 PAIRS: tuple[Pair, ...] = (
-    _z("Qwen/Qwen3-4B", "z-lab/Qwen3-4B-DFlash-b16", "qwen3"),
-    _z("Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16", "qwen3", f"{ZLAB}; {SHARED}"),
-    _z("Qwen/Qwen3-Coder-30B-A3B-Instruct", "z-lab/Qwen3-Coder-30B-A3B-DFlash", "qwen3_moe"),
+    Pair("Qwen/Qwen3-4B", "z-lab/Qwen3-4B-DFlash-b16", "qwen3"),
+    Pair("Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16", "qwen3", f"{ZLAB}; {SHARED}"),
+    Pair("Qwen/Qwen3-Coder-30B-A3B-Instruct", "z-lab/Qwen3-Coder-30B-A3B-DFlash", "qwen3_moe"),
     # z-lab's only Llama-3.1 drafter is the UltraChat one (block size 10): every README version
     # and every third-party reference names it so; no repo without the suffix was ever seen.
-    _z("meta-llama/Llama-3.1-8B-Instruct", "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat", "llama"),
-    _z("Qwen/Qwen3.5-4B", "z-lab/Qwen3.5-4B-DFlash", "qwen3_5", f"{ZLAB}; {SHARED}"),
-    _z("Qwen/Qwen3.5-9B", "z-lab/Qwen3.5-9B-DFlash", "qwen3_5"),
-    _z("Qwen/Qwen3.5-27B", "z-lab/Qwen3.5-27B-DFlash", "qwen3_5"),
-    _z("Qwen/Qwen3.5-35B-A3B", "z-lab/Qwen3.5-35B-A3B-DFlash", "qwen3_5_moe"),
-    _z("Qwen/Qwen3.5-122B-A10B", "z-lab/Qwen3.5-122B-A10B-DFlash", "qwen3_5_moe"),
+    Pair(
+        "meta-llama/Llama-3.1-8B-Instruct", "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat", "llama"
+    ),
+    Pair("Qwen/Qwen3.5-4B", "z-lab/Qwen3.5-4B-DFlash", "qwen3_5", f"{ZLAB}; {SHARED}"),
+    Pair("Qwen/Qwen3.5-9B", "z-lab/Qwen3.5-9B-DFlash", "qwen3_5"),
+    Pair("Qwen/Qwen3.5-27B", "z-lab/Qwen3.5-27B-DFlash", "qwen3_5"),
+    Pair("Qwen/Qwen3.5-35B-A3B", "z-lab/Qwen3.5-35B-A3B-DFlash", "qwen3_5_moe"),
+    Pair("Qwen/Qwen3.5-122B-A10B", "z-lab/Qwen3.5-122B-A10B-DFlash", "qwen3_5_moe"),
     # Listed "coming soon" by z-lab; the repo is named by SOURCES.md and by hipfire's
     # docs/model induction (converted "from the published z-lab safetensors").
-    _z("Qwen/Qwen3.5-397B-A17B", "z-lab/Qwen3.5-397B-A17B-DFlash", "qwen3_5_moe", SHARED),
+    Pair("Qwen/Qwen3.5-397B-A17B", "z-lab/Qwen3.5-397B-A17B-DFlash", "qwen3_5_moe", SHARED),
     # Qwen3.6 keeps Qwen3.5's wrapper types (models/target.py, SOURCES.md).
-    _z("Qwen/Qwen3.6-27B", "z-lab/Qwen3.6-27B-DFlash", "qwen3_5"),
-    _z("Qwen/Qwen3.6-35B-A3B", "z-lab/Qwen3.6-35B-A3B-DFlash", "qwen3_5_moe"),
+    Pair("Qwen/Qwen3.6-27B", "z-lab/Qwen3.6-27B-DFlash", "qwen3_5"),
+    Pair("Qwen/Qwen3.6-35B-A3B", "z-lab/Qwen3.6-35B-A3B-DFlash", "qwen3_5_moe"),
     Pair(
         "Qwen/Qwen3.6-35B-A3B",
         "incoai/Qwen3.6-35B-A3B-DFlash2",
-        "dflash2",
         "qwen3_5_moe",
         f"{SHARED} (no config seen)",
+        kind="dflash2",
         default=False,
     ),
-    _z("Qwen/Qwen3-Coder-Next", "z-lab/Qwen3-Coder-Next-DFlash", "qwen3_next"),
+    Pair("Qwen/Qwen3-Coder-Next", "z-lab/Qwen3-Coder-Next-DFlash", "qwen3_next"),
     # DFlash 2 (models/dflash2.py); z-lab mirrors incoai's Qwen3.8 drafter (same config sha256).
-    Pair("Qwen/Qwen3.8-27B", "z-lab/Qwen3.8-27B-DFlash2", "dflash2", "qwen3_5", SHARED),
+    Pair("Qwen/Qwen3.8-27B", "z-lab/Qwen3.8-27B-DFlash2", "qwen3_5", SHARED, kind="dflash2"),
     Pair(
         "Qwen/Qwen3.8-27B",
         "incoai/Qwen3.8-27B-DFlash2",
-        "dflash2",
         "qwen3_5",
         SHARED,
+        kind="dflash2",
         default=False,
     ),
     Pair(
         "meta-models/Muse-Glimmer-30B",
         "z-lab/Muse-Glimmer-30B-DFlash2",
-        "dflash2",
         "muse_glimmer",
         SHARED,
+        kind="dflash2",
     ),
     # Meta's own v1 drafter (MuseGlimmerAssistantModel); DFlash 2 above is the default.
     Pair(
         "meta-models/Muse-Glimmer-30B",
         "meta-models/Muse-Glimmer-30B-assistant",
-        "assistant",
         "muse_glimmer",
         SHARED,
+        kind="assistant",
         default=False,
     ),
-    _z("google/gemma-4-31B-it", "z-lab/gemma-4-31B-it-DFlash", "gemma4", ZLAB_ZH, _GEMMA4_DENSE),
-    _z(
+    Pair("google/gemma-4-31B-it", "z-lab/gemma-4-31B-it-DFlash", "gemma4", ZLAB_ZH, _GEMMA4_DENSE),
+    Pair(
         "google/gemma-4-26B-A4B-it",
         "z-lab/gemma-4-26B-A4B-it-DFlash",
         "gemma4",
@@ -120,7 +112,7 @@ PAIRS: tuple[Pair, ...] = (
     ),
     # Spelled "gemma4-" (no dash) by z-lab for the 12B; the target is Gemma 4's unified
     # (encoder-free multimodal) type, per the HF model API as quoted in public repositories.
-    _z(
+    Pair(
         "google/gemma-4-12B-it",
         "z-lab/gemma4-12B-it-DFlash",
         "gemma4_unified",
@@ -128,37 +120,39 @@ PAIRS: tuple[Pair, ...] = (
         "(not in z-lab's README)",
         _GEMMA4_DENSE,
     ),
-    _z("openai/gpt-oss-20b", "z-lab/gpt-oss-20b-DFlash", "gpt_oss", f"{ZLAB}; {SHARED}"),
-    _z("openai/gpt-oss-120b", "z-lab/gpt-oss-120b-DFlash", "gpt_oss"),
+    Pair("openai/gpt-oss-20b", "z-lab/gpt-oss-20b-DFlash", "gpt_oss", f"{ZLAB}; {SHARED}"),
+    Pair("openai/gpt-oss-120b", "z-lab/gpt-oss-120b-DFlash", "gpt_oss"),
     # Gated previews; M2.5 / M2.7 keep MiniMax-M2's architecture (transformers: minimax_m2).
-    _z("MiniMaxAI/MiniMax-M2.5", "z-lab/MiniMax-M2.5-DFlash", "minimax_m2", ZLAB_ZH),
-    _z("MiniMaxAI/MiniMax-M2.7", "z-lab/MiniMax-M2.7-DFlash", "minimax_m2", ZLAB_ZH),
+    Pair("MiniMaxAI/MiniMax-M2.5", "z-lab/MiniMax-M2.5-DFlash", "minimax_m2", ZLAB_ZH),
+    Pair("MiniMaxAI/MiniMax-M2.7", "z-lab/MiniMax-M2.7-DFlash", "minimax_m2", ZLAB_ZH),
     # Gated; published as "-FP8-DFlash" (trained on GLM-5.1-FP8), GLM-5's architecture.
-    _z(
+    Pair(
         "zai-org/GLM-5.1",
         "z-lab/GLM-5.1-FP8-DFlash",
         "glm_moe_dsa",
         "huggingface.co/z-lab/GLM-5.1-FP8-DFlash (gated; z-lab's README: coming soon)",
     ),
-    Pair("zai-org/GLM-5.3", "incoai/GLM-5.3-DFlash2", "dflash2", "glm_moe_dsa", SHARED),
-    Pair("zai-org/GLM-5.3-Flash", "incoai/GLM-5.3-Flash-DFlash2", "dflash2", "glm5_next", SHARED),
+    Pair("zai-org/GLM-5.3", "incoai/GLM-5.3-DFlash2", "glm_moe_dsa", SHARED, kind="dflash2"),
+    Pair(
+        "zai-org/GLM-5.3-Flash", "incoai/GLM-5.3-Flash-DFlash2", "glm5_next", SHARED, kind="dflash2"
+    ),
     # About a trillion parameters: several Macs (mlx.launch, README "Several Macs"). K2.6 and
     # K2.7-Code keep K2.5's architecture (ROCm/ATOM#781, vllm-project/recipes#533).
-    _z("moonshotai/Kimi-K2.5", "z-lab/Kimi-K2.5-DFlash", "kimi_k25"),
-    _z("moonshotai/Kimi-K2.6", "z-lab/Kimi-K2.6-DFlash", "kimi_k25", f"{ZLAB_ZH}; {SHARED}"),
-    _z("moonshotai/Kimi-K2.7-Code", "nvidia/Kimi-K2.7-Code-DFlash", "kimi_k25", SHARED),
+    Pair("moonshotai/Kimi-K2.5", "z-lab/Kimi-K2.5-DFlash", "kimi_k25"),
+    Pair("moonshotai/Kimi-K2.6", "z-lab/Kimi-K2.6-DFlash", "kimi_k25", f"{ZLAB_ZH}; {SHARED}"),
+    Pair("moonshotai/Kimi-K2.7-Code", "nvidia/Kimi-K2.7-Code-DFlash", "kimi_k25", SHARED),
     # The repo holds Xiaomi's FP4 checkpoint of the target beside the drafter; MiMo-V2.5-Pro is
     # MiMoV2ForCausalLM, model_type mimo_v2 (70 layers: the drafter's num_target_layers).
-    _z("XiaomiMiMo/MiMo-V2.5-Pro", "XiaomiMiMo/MiMo-V2.5-Pro-FP4-DFlash", "mimo_v2", SHARED),
+    Pair("XiaomiMiMo/MiMo-V2.5-Pro", "XiaomiMiMo/MiMo-V2.5-Pro-FP4-DFlash", "mimo_v2", SHARED),
     # FlashDrive (z-lab/flashdrive README): vision-language-action targets; model types as
     # NVIDIA's configs spell them in public test fixtures (not read from z-lab's copies).
-    _z(
+    Pair(
         "z-lab/Alpamayo-1.5-10B",
         "z-lab/Alpamayo-1.5-10B-DFlash",
         "alpamayo1_5",
         "z-lab/flashdrive README",
     ),
-    _z(
+    Pair(
         "z-lab/Alpamayo-R1-10B",
         "z-lab/Alpamayo-R1-10B-DFlash",
         "alpamayo_r1",

@@ -7,8 +7,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from . import protocol as P
-from .collect import collect
-from .events import Done, Failed, Text, ToolCalls
+from .events import Done, Failed, Text, ToolCalls, collect
 from .worker import Job
 
 if TYPE_CHECKING:
@@ -16,16 +15,37 @@ if TYPE_CHECKING:
 
 
 def answer(h: Handler, req: P.Request, job: Job) -> None:
-    a = collect(h, job)
-    if a.error is not None:
-        return h.error(P.APIError(500, a.error, type="api_error"))
-    if a.done is None:
+    a = collect(h, job, "api_error")
+    if a is None:
         return
-    done = a.done
-    use = P.usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
-    body = messages_response(P.new_id("msg"), h.app.config.model_name, a.content, a.reasoning,
-                               done.finish, done.stop_string, use, done.stats, a.calls)  # fmt: skip
-    h.send_json(200, body)
+    blocks: list[dict[str, Any]] = []
+    if a.reasoning:
+        blocks.append({"type": "thinking", "thinking": a.reasoning})
+    if a.content or not a.calls:
+        blocks.append({"type": "text", "text": a.content})
+    for c in a.calls:
+        fn = c["function"]
+        blocks.append({"type": "tool_use", "id": c["id"], "name": fn["name"],
+                       "input": json.loads(fn["arguments"] or "{}")})  # fmt: skip
+    d = a.done
+    use = {"input_tokens": d.prompt_tokens, "output_tokens": d.completion_tokens}
+    body = _message(P.new_id("msg"), h.app.config.model_name, blocks, d, use)
+    h.send_json(200, {**body, "dflash": d.stats})
+
+
+def _message(rid: str, model: str, content: list, done: Done | None, usage: dict) -> dict:
+    """A message's frame: the whole answer's, or (no `done` yet) a stream's message_start."""
+    stop = None if done is None else done.stop_string
+    return {
+        "id": rid,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": None if done is None else anthropic_stop(done.finish, stop),
+        "stop_sequence": stop,
+        "usage": usage,
+    }
 
 
 class _Blocks:
@@ -39,9 +59,7 @@ class _Blocks:
         if self.kind is not None:
             self.close()
         self.kind, self.index = kind, self.index + 1
-        if empty is None:
-            empty = {"type": "thinking", "thinking": ""} if kind == "thinking" else None
-            empty = empty or {"type": "text", "text": ""}
+        empty = empty or {"type": kind, kind: ""}  # thinking or text
         start = {"type": "content_block_start", "index": self.index, "content_block": empty}
         self.h.sse(start, "content_block_start")
 
@@ -56,9 +74,7 @@ class _Blocks:
 def stream(h: Handler, req: P.Request, job: Job) -> None:
     rid, name = P.new_id("msg"), h.app.config.model_name
     h.start_sse()
-    start: dict[str, Any] = {"id": rid, "type": "message", "role": "assistant", "model": name,
-                             "content": []}  # fmt: skip
-    start.update(stop_reason=None, stop_sequence=None, usage={"input_tokens": 0})
+    start = _message(rid, name, [], None, {"input_tokens": 0})
     h.sse({"type": "message_start", "message": start}, "message_start")
     blocks = _Blocks(h)
     for ev in h.events(job):
@@ -68,8 +84,7 @@ def stream(h: Handler, req: P.Request, job: Job) -> None:
                     continue
                 if blocks.kind != kind:
                     blocks.open(kind)
-                field = "thinking" if kind == "thinking" else "text"
-                blocks.delta({"type": f"{field}_delta", field: text})
+                blocks.delta({"type": f"{kind}_delta", kind: text})
         elif isinstance(ev, ToolCalls):
             for call in ev.calls:
                 fn = call["function"]
@@ -104,29 +119,3 @@ def anthropic_stop(finish: str, stop_string: str | None) -> str:
     if finish == "tool_calls":
         return "tool_use"
     return "max_tokens" if finish == "length" else "end_turn"
-
-
-def messages_response(rid, model, content, reasoning, finish, stop_seq, use, stats, calls=()):
-    blocks: list[dict[str, Any]] = []
-    if reasoning:
-        blocks.append({"type": "thinking", "thinking": reasoning})
-    if content or not calls:
-        blocks.append({"type": "text", "text": content})
-    for c in calls:
-        fn = c["function"]
-        blocks.append({"type": "tool_use", "id": c["id"], "name": fn["name"],
-                       "input": json.loads(fn["arguments"] or "{}")})  # fmt: skip
-    return {
-        "id": rid,
-        "type": "message",
-        "role": "assistant",
-        "model": model,
-        "content": blocks,
-        "stop_reason": anthropic_stop(finish, stop_seq),
-        "stop_sequence": stop_seq,
-        "usage": {
-            "input_tokens": use["prompt_tokens"],
-            "output_tokens": use["completion_tokens"],
-        },
-        "dflash": stats,
-    }

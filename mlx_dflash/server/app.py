@@ -141,13 +141,12 @@ class App:
         cfg = job_config(self.base, max_tokens=max_tokens, sampling=sampling, seed=req.seed,
                          logprobs=req.logprobs, grammar=self._grammar(req, thinking))  # fmt: skip
         tags = self.tags or ("<think>", "</think>")
-        tools = req.tools if req.kind != "completion" else None
-        return Job(ids, cfg, req.stop, thinking, tags, tools, inside if tools else None)
+        return Job(ids, cfg, req.stop, thinking, tags, req.tools, inside)
 
     def _grammar(self, req: P.Request, thinking: bool | None):
         """What the answer must follow: a forced call's strict arguments, else the requested
         format; compiled here so that a bad schema is a 400 before anything streams."""
-        tools = req.tools if req.kind != "completion" else None
+        tools = req.tools
         spec, param = req.grammar, {"chat": "response_format", "responses": "text.format",
                                     "messages": "output_format"}.get(req.kind, "")  # fmt: skip
         forced = tools is not None and tools.choice in ("required", "function")

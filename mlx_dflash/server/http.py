@@ -73,9 +73,11 @@ class Handler(BaseHTTPRequestHandler):
         self.app.metrics.request(endpoint, self.status)
 
     def send_json(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
+        self.send_bytes(status, json.dumps(body).encode(), "application/json")
+
+    def send_bytes(self, status: int, data: bytes, content_type: str) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -167,9 +169,15 @@ class Handler(BaseHTTPRequestHandler):
     # ---- routes -------------------------------------------------------------------------
 
     def do_GET(self):
+        self._route(self._get)
+
+    def do_POST(self):
+        self._route(self._post)
+
+    def _route(self, handle) -> None:
         path = self.path.split("?")[0].rstrip("/")
         try:
-            self._get(path)
+            handle(path)
         finally:
             self._count(path)
 
@@ -195,13 +203,7 @@ class Handler(BaseHTTPRequestHandler):
                 P.APIError(401, "Missing or wrong API key.", type="authentication_error")
             )
         if path == "/metrics":
-            data = self.app.metrics.render()
-            self.send_response(200)
-            self.send_header("Content-Type", self.app.metrics.content_type)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-            return
+            return self.send_bytes(200, self.app.metrics.render(), self.app.metrics.content_type)
         if path == "/v1/models":
             return self.send_json(200, {"object": "list", "data": [self._model_card()]})
         if path.startswith("/v1/models/"):
@@ -219,13 +221,6 @@ class Handler(BaseHTTPRequestHandler):
             "created": 0,
             "owned_by": "dflash-mlx",
         }
-
-    def do_POST(self):
-        path = self.path.split("?")[0].rstrip("/")
-        try:
-            self._post(path)
-        finally:
-            self._count(path)
 
     def _post(self, path: str) -> None:
         try:

@@ -3,11 +3,11 @@ chunks, with their body builders (protocol.py reads the requests)."""
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
 from . import protocol as P
-from .collect import collect, token_entries
-from .events import Done, Failed, Logprobs, Text, ToolCalls
+from .events import Done, Failed, Logprobs, Text, ToolCalls, collect, token_entries
 from .worker import Job
 
 if TYPE_CHECKING:
@@ -16,9 +16,7 @@ if TYPE_CHECKING:
 
 def answer(h: Handler, req: P.Request, job: Job) -> None:
     a = collect(h, job)
-    if a.error is not None:
-        return h.error(P.APIError(500, a.error, type="server_error"))
-    if a.done is None:  # the client left
+    if a is None:
         return
     done, chat = a.done, req.kind == "chat"
     lps = a.logprobs if req.logprobs is not None else None
@@ -72,17 +70,14 @@ def stream(h: Handler, req: P.Request, job: Job) -> None:
 # ---- bodies ----------------------------------------------------------------------------
 
 
-def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
+def completion_logprobs(entries: list[dict]) -> dict:
     """Chat-shaped entries in the legacy completions shape."""
-    offsets, at = [], offset
-    for e in entries:
-        offsets.append(at)
-        at += len(e["token"])
+    tokens = [e["token"] for e in entries]
     return {
-        "tokens": [e["token"] for e in entries],
+        "tokens": tokens,
         "token_logprobs": [e["logprob"] for e in entries],
         "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries],
-        "text_offset": offsets,
+        "text_offset": [0, *accumulate(map(len, tokens))][: len(tokens)],
     }
 
 

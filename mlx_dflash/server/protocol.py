@@ -73,10 +73,7 @@ def _get(body: dict, name: str, types: tuple, default=None, check=None, what: st
     if name not in body or body[name] is None:
         return default
     v = body[name]
-    if isinstance(v, bool) and bool not in types:
-        ok = False
-    else:
-        ok = isinstance(v, types)
+    ok = isinstance(v, types) and (bool in types or not isinstance(v, bool))
     if not ok or (check is not None and not check(v)):
         raise APIError(400, f"'{name}' must be {what}, not {json.dumps(v)[:80]}.", param=name)
     return v

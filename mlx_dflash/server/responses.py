@@ -15,7 +15,7 @@ from collections import OrderedDict
 from typing import Any
 
 from . import protocol as P
-from .structured import response_format, strict_names
+from .structured import strict_names
 
 KEPT = 64  # responses remembered for previous_response_id
 
@@ -105,7 +105,6 @@ def parse_responses(body: dict) -> P.Request:
             400, "'previous_response_id' must be a string.", param="previous_response_id"
         )
     req.previous = prev
-    req.grammar = response_format(body, "responses")
     req.strict = strict_names(body, anthropic=True)  # Responses tools are flat, as Anthropic's
     return req
 
@@ -139,22 +138,6 @@ class ResponseStore:
 # ---- output ----------------------------------------------------------------------------------
 
 
-def message_item() -> dict[str, Any]:
-    return {"type": "message", "id": P.new_id("msg"), "status": "in_progress",
-            "role": "assistant", "content": []}  # fmt: skip
-
-
-def reasoning_item() -> dict[str, Any]:
-    return {"type": "reasoning", "id": P.new_id("rs"), "summary": [], "content": [],
-            "status": "in_progress"}  # fmt: skip
-
-
-def call_item(call: dict) -> dict[str, Any]:
-    fn = call["function"]
-    return {"type": "function_call", "id": P.new_id("fc"), "call_id": call["id"],
-            "name": fn["name"], "arguments": fn["arguments"], "status": "completed"}  # fmt: skip
-
-
 def response_body(rid, model, req: P.Request, items, done, status: str) -> dict[str, Any]:
     text = "".join(
         part["text"]
@@ -164,6 +147,9 @@ def response_body(rid, model, req: P.Request, items, done, status: str) -> dict[
         if part["type"] == "output_text"
     )
     tools = req.tools
+    choice: Any = tools.choice if tools else "auto"
+    if tools and choice == "function":
+        choice = {"type": "function", "name": tools.name}
     use = None
     if done is not None:
         use = {
@@ -183,17 +169,11 @@ def response_body(rid, model, req: P.Request, items, done, status: str) -> dict[
         "error": None,
         "model": model,
         "instructions": req.system,
-        "previous_response_id": getattr(req, "previous", None),
+        "previous_response_id": req.previous,
         "output": items,
         "output_text": text,
         "parallel_tool_calls": tools.parallel if tools else True,
-        "tool_choice": (
-            tools.choice
-            if tools and tools.choice != "function"
-            else {"type": "function", "name": tools.name}
-            if tools
-            else "auto"
-        ),  # fmt: skip
+        "tool_choice": choice,
         "tools": [{"type": "function", **t["function"]} for t in (tools.specs if tools else [])],
         "temperature": req.temperature,
         "top_p": req.top_p,
@@ -246,11 +226,16 @@ class EventStream:
         item = self.open
         if item is None or item["type"] != kind:
             self.close()
-            item = self.open = message_item() if kind == "message" else reasoning_item()
-            at = self._add(item)
-            part = {"type": "output_text", "text": "", "annotations": []}
-            if kind == "reasoning":
+            if kind == "message":
+                item = {"type": "message", "id": P.new_id("msg"), "status": "in_progress",
+                        "role": "assistant", "content": []}  # fmt: skip
+                part = {"type": "output_text", "text": "", "annotations": []}
+            else:
+                item = {"type": "reasoning", "id": P.new_id("rs"), "summary": [], "content": [],
+                        "status": "in_progress"}  # fmt: skip
                 part = {"type": "reasoning_text", "text": ""}
+            at = self._add(item)
+            self.open = item
             item["content"].append(part)
             if kind == "message":
                 self.event("response.content_part.added", item_id=item["id"], output_index=at,
@@ -288,8 +273,9 @@ class EventStream:
 
     def call(self, call: dict) -> None:
         self.close()
-        item = call_item(call)
-        args, item["arguments"], item["status"] = item["arguments"], "", "in_progress"
+        name, args = call["function"]["name"], call["function"]["arguments"]
+        item = {"type": "function_call", "id": P.new_id("fc"), "call_id": call["id"],
+                "name": name, "arguments": "", "status": "in_progress"}  # fmt: skip
         at = self._add(dict(item))
         for piece in P.fragments(args):
             self.event("response.function_call_arguments.delta", item_id=item["id"],

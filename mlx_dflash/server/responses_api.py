@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING
 
 from . import protocol as P
 from . import responses as R
-from .collect import collect
-from .events import Done, Failed, Text, ToolCalls
+from .events import Done, Failed, Text, ToolCalls, collect
 from .worker import Job
 
 if TYPE_CHECKING:
@@ -18,9 +17,7 @@ if TYPE_CHECKING:
 
 def answer(h: Handler, req: P.Request, job: Job) -> None:
     a = collect(h, job)
-    if a.error is not None:
-        return h.error(P.APIError(500, a.error, type="server_error"))
-    if a.done is None:
+    if a is None:
         return
     rid = P.new_id("resp")
     out = R.EventStream(lambda *_: None, rid, h.app.config.model_name, req)  # no events sent

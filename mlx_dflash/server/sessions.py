@@ -12,12 +12,8 @@ from ..models.drafter import DrafterRunner
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    pairs = enumerate(zip(a, b, strict=False))
+    return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
 
 
 def session_bytes(session: Session) -> int:
@@ -77,7 +73,3 @@ class SessionPool:
             self.idle.pop(0)
         if session_bytes(session) > self.max_bytes:
             self.idle.remove(session)
-
-    @property
-    def cached_tokens(self) -> int:
-        return sum(len(s.tokens) for s in self.idle)

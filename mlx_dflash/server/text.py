@@ -18,15 +18,16 @@ if TYPE_CHECKING:
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
-def _held(buf: str, patterns: list[str]) -> int:
-    """Length of the longest end of `buf` that begins one of `patterns` (not all of it)."""
+def _hold(buf: str, patterns: list[str]) -> tuple[str, str]:
+    """`buf` split before its longest end that begins one of `patterns` (not all of it): what
+    is safe to send, and what is held back."""
     best = 0
     for p in patterns:
         for k in range(min(len(p) - 1, len(buf)), best, -1):
             if p.startswith(buf[-k:]):
                 best = k
                 break
-    return best
+    return buf[: len(buf) - best], buf[len(buf) - best :]
 
 
 class StopStrings:
@@ -45,9 +46,7 @@ class StopStrings:
             i, s = min(hits)
             out, self.buf = self.buf[:i], ""
             return out, s
-        keep = _held(self.buf, self.stops)
-        out = self.buf[: len(self.buf) - keep]
-        self.buf = self.buf[len(self.buf) - keep :]
+        out, self.buf = _hold(self.buf, self.stops)
         return out, None
 
     def flush(self) -> str:
@@ -111,9 +110,8 @@ class ThinkingSplitter:
                 self.buf = self.buf[i + len(self.close) :]
                 self.thinking, self.strip = False, True
                 continue
-            keep = _held(self.buf, [self.close])
-            reasoning += self.buf[: len(self.buf) - keep]
-            self.buf = self.buf[len(self.buf) - keep :]
+            safe, self.buf = _hold(self.buf, [self.close])
+            reasoning += safe
             self.strip = False
             break
         return reasoning, content
@@ -152,9 +150,8 @@ class ToolCallSplitter:
                 out.append(("text", self.buf[:i]))
                 self.buf, self.calling = self.buf[i + len(self.start) :], True
                 continue
-            keep = _held(self.buf, [self.start])
-            out.append(("text", self.buf[: len(self.buf) - keep]))
-            self.buf = self.buf[len(self.buf) - keep :]
+            safe, self.buf = _hold(self.buf, [self.start])
+            out.append(("text", safe))
             break
         return [(k, t) for k, t in out if t or k == "call"]
 

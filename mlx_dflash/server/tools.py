@@ -36,10 +36,6 @@ class Tools:
     name: str | None = None  # the function tool_choice names
     parallel: bool = True
 
-    @property
-    def names(self) -> set[str]:
-        return {s["function"]["name"] for s in self.specs}
-
 
 def _schema(params: Any, where: str) -> dict:
     """A function's parameters: a JSON Schema object (checked for shape, not validated)."""
@@ -122,7 +118,7 @@ def parse_tools(body: dict, anthropic: bool = False) -> Tools | None:
                 400, "'parallel_tool_calls' must be true or false.", param="parallel_tool_calls"
             )
         tools.parallel = parallel
-    if tools.name is not None and tools.name not in tools.names:
+    if tools.name is not None and tools.name not in {s["function"]["name"] for s in specs}:
         raise APIError(
             400,
             f"'tool_choice' names '{tools.name}', which is not among the tools.",

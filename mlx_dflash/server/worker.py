@@ -10,6 +10,7 @@ only this one touches them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -50,7 +51,6 @@ class Job:
     inside: str | None = None  # the answer starts inside a call the prompt opened (forced choice)
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    queued_at: float = field(default_factory=time.perf_counter)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -74,9 +74,8 @@ class Worker:
         self.finishes: list[str] = []  # how each job ended, in order (health, tests)
         # called with each job's Done (the server's metrics)
         self.on_done: Callable[[Done], None] | None = None
-        self.answer_log: AnswerLog | None = (
-            None  # serve --keep-answers: where rank 0 keeps each answer
-        )
+        # serve --keep-answers: where rank 0 keeps each answer
+        self.answer_log: AnswerLog | None = None
         # Set while the worker waits for a job with nothing under way: every row has ended
         # and left the batch's arena (a client has its answer a little before that).
         self.quiet = threading.Event()
@@ -93,17 +92,8 @@ class Worker:
             if spec is None:
                 return
             job = job_from_json(base, spec)
-            try:
+            with contextlib.suppress(Exception):  # rank 0 reports errors; a follower moves on
                 self._run(job)
-            except Exception:  # rank 0 reports errors; a follower just moves on
-                pass
-
-    def _send(self, job: Job | None) -> None:
-        """Rank 0: the next job (None: shutting down) to the follower ranks."""
-        if job is None:
-            self.world.send_text(None)
-            return
-        self.world.send_text(job_to_json(job))
 
     def submit(self, job: Job) -> Job:
         self.jobs.put(job)
@@ -146,8 +136,8 @@ class Worker:
                 self.quiet.clear()
             if job is None or not job.cancelled.is_set():
                 break
-        if self.world.sharded:  # the spec's JSON is for followers; one process has none
-            self._send(job)
+        if self.world.sharded:  # to the follower ranks (None: shutting down); one process has none
+            self.world.send_text(None if job is None else job_to_json(job))
         return job
 
     def _loop(self) -> None:
