@@ -137,6 +137,18 @@ def test_strict_tools_arguments_follow_the_schema(client, choice):
         assert fn.name == "get_weather"
 
 
+def test_strict_responses_tool_follows_its_schema_and_is_echoed(client):
+    """The Responses API's flat tools: `strict` constrains the call as in chat and comes back
+    in the answer's `tools`."""
+    r = client.responses.create(model="tiny", input="Weather?", max_output_tokens=80,
+                                tools=[{"type": "function", **STRICT["function"]}],
+                                tool_choice="required")  # fmt: skip
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert len(calls) == 1, r.output_text
+    jsonschema.validate(json.loads(calls[0].arguments), STRICT["function"]["parameters"])
+    assert r.tools[0].strict is True
+
+
 @pytest.mark.parametrize(
     "extra, match",
     [

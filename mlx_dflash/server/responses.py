@@ -15,7 +15,6 @@ from collections import OrderedDict
 from typing import Any
 
 from . import protocol as P
-from .structured import strict_names
 
 KEPT = 64  # responses remembered for previous_response_id
 
@@ -79,7 +78,9 @@ def _tools(body: dict) -> dict:
                 400, f"tools[{i}]: only function tools are supported here, not '{kind}'.",
                 param="tools",
             )  # fmt: skip
-        fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
+        fn = {
+            k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None
+        }
         nested.append({"type": "function", "function": fn})
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
@@ -105,7 +106,6 @@ def parse_responses(body: dict) -> P.Request:
             400, "'previous_response_id' must be a string.", param="previous_response_id"
         )
     req.previous = prev
-    req.strict = strict_names(body, anthropic=True)  # Responses tools are flat, as Anthropic's
     return req
 
 
