@@ -31,6 +31,10 @@ Which device (engine/device.py), chosen once per target at its first load (`choo
   `dflash-mlx doctor -m MODEL` prints it. So it can never make a verify wrong or slower.
 - The CPU backend: off. Its compiled kernels are C++ that MLX builds with the system's compiler
   at first use (about 3 s a kernel), and float32 targets take numpy's exponentials there.
+- The drafter's layers and DFlash 2's candidate selector follow the target's choice, unchecked:
+  a draft decides only what is proposed, never what is kept (the target verifies every token,
+  and sampling accepts against the q the draft was drawn from), so their bits move tau, not
+  the output.
 - DFLASH_MLX_COMPILE=1 turns it on anywhere, 0 off (docs/settings.md). scripts/host_time.py
   sets 1 to show the host time a GPU's rounds have.
 """
