@@ -193,14 +193,9 @@ def base_name(model: str | Path) -> str:
     return _PREFIX.sub("", _SUFFIX.sub("", name)).lower()
 
 
-def known_drafters() -> dict[str, str]:
-    """Target id -> drafter hub id, or the folder of a drafter shipped with the package."""
-    return {**DRAFTERS, **{t: str(ASSETS / d) for t, d in SHIPPED.items()}}
-
-
 def find_drafter(model: str | Path) -> str:
     """The drafter id (or shipped folder) for a target id or folder name; else a clear error."""
-    known = known_drafters()
+    known = {**DRAFTERS, **{t: str(ASSETS / d) for t, d in SHIPPED.items()}}
     for target, drafter in known.items():
         if str(model).lower() == target.lower():
             return drafter
@@ -267,19 +262,18 @@ def weights_gb(billions: float, bits: int | None, group_size: int = 64) -> float
     return billions * bits_per_weight / 8
 
 
-def run_command(pair: Pair) -> str:
-    """The command that chats with this pair (the drafter found for the target by default)."""
-    drafter = "" if pair.default else f" -d {pair.drafter}"
-    return f"dflash-mlx chat -m {pair.target}{drafter}"
+# What `dflash-mlx models` says a target's weights take, by precision (bits None: bf16).
+_PRECISIONS = {"bf16": None, "8bit": 8, "4bit": 4}
 
 
 def support_rows() -> list[dict]:
-    """Every published pair with whether it runs here, its size and the command that runs it:
-    what `dflash-mlx models` and `doctor` print."""
+    """Every published pair with whether it runs here, its size and the command that runs it
+    (the drafter found for the target by default): what `dflash-mlx models` and `doctor` print."""
     rows: list[dict] = []
     for p in PAIRS:
         why = refusal(p)
-        size = params(p.target)
+        total, active = params(p.target) or (None, None)
+        drafter = "" if p.default else f" -d {p.drafter}"
         rows.append(
             {
                 "target": p.target,
@@ -290,16 +284,12 @@ def support_rows() -> list[dict]:
                 "runs": why is None,
                 "refused": why,
                 "source": p.source,
-                "params_b": None if size is None else size[0],
-                "active_params_b": None if size is None else size[1],
+                "params_b": total,
+                "active_params_b": active,
                 "weights_gb": None
-                if size is None
-                else {
-                    "bf16": round(weights_gb(size[0], None), 1),
-                    "8bit": round(weights_gb(size[0], 8), 1),
-                    "4bit": round(weights_gb(size[0], 4), 1),
-                },
-                "command": run_command(p) if why is None else None,
+                if total is None
+                else {k: round(weights_gb(total, bits), 1) for k, bits in _PRECISIONS.items()},
+                "command": f"dflash-mlx chat -m {p.target}{drafter}" if why is None else None,
             }
         )
     return rows

@@ -12,17 +12,9 @@ from pathlib import Path
 from ..errors import DFlashError
 from ..paths import cache_root
 
-KINDS = ("target", "drafter")
-
 
 def cached_path(repo_id: str) -> Path:
     return cache_root() / repo_id
-
-
-def is_hub_id(value: str) -> bool:
-    from .convert import _REPO_ID
-
-    return bool(_REPO_ID.match(value))
 
 
 def _offline() -> bool:
@@ -42,15 +34,17 @@ def resolve_model(
     `target` (a drafter's target folder) lets the drafter's conversion derive missing tap ids
     and check the pair.
     """
-    if kind not in KINDS:
+    if kind not in ("target", "drafter"):
         raise DFlashError(f"kind must be target or drafter, not {kind}.")
     path = Path(id_or_path).expanduser()
     if path.exists():
         if not path.is_dir():
             raise DFlashError(f"{id_or_path} is a file; pass the {kind}'s folder.")
         return path
+    from .convert import _REPO_ID
+
     name = str(id_or_path)
-    if not is_hub_id(name):
+    if not _REPO_ID.match(name):
         raise DFlashError(f"The {kind} folder {name} does not exist.")
     out = cached_path(name)
     if (out / "config.json").is_file():

@@ -336,14 +336,11 @@ class DrafterConfig:
         d = asdict(self)
         dflash = {k: d.pop(k) for k in ("block_size", "mask_token_id", "target_layer_ids")}
         is_causal = d.pop("is_causal")
-        for k in DFLASH2_FIELDS:
-            v = d.pop(k)
-            if self.kind == "dflash2":
-                dflash[k] = v
-        for k in OPTIONAL_FLOATS:
-            v = d.pop(k)
-            if v is not None:
-                dflash[k] = v
+        dflash2 = {k: d.pop(k) for k in DFLASH2_FIELDS}
+        if self.kind == "dflash2":
+            dflash.update(dflash2)
+        floats = {k: d.pop(k) for k in OPTIONAL_FLOATS}
+        dflash.update({k: v for k, v in floats.items() if v is not None})
         if d.pop("attention_sink_bias"):  # where MiMo's config has it
             dflash["attention_sink_bias"] = True
         if d["v_head_dim"] is None:

@@ -256,10 +256,6 @@ def _unstack_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
 # Drafters
 
 
-def _target_layers(target_cfg: Mapping[str, Any]) -> int:
-    return int(target_cfg.get("text_config", target_cfg)["num_hidden_layers"])
-
-
 def _published_taps(num_target_layers: int, n: int) -> list[int]:
     """../shared/docs/algorithm.md §1 rule, restated here so the tests do not trust the code under test."""
     if n == 1:
@@ -282,7 +278,7 @@ def drafter_config_dict(
     if variant not in DRAFTER_VARIANTS:
         raise ValueError(f"unknown drafter variant {variant!r}; use one of {DRAFTER_VARIANTS}")
     t = dict(target_cfg.get("text_config", target_cfg))
-    n_target = _target_layers(target_cfg)
+    n_target = int(t["num_hidden_layers"])
     hidden = int(t["hidden_size"])
     n_heads = int(t["num_attention_heads"])
     cfg: dict[str, Any] = {
