@@ -191,7 +191,7 @@ def test_checkpoint_converts_loads_and_resumes(target, data, tmp_path):
             assert k == k2 and mx.array_equal(v, v2), k
 
     # Resume: the step, the weights and the optimizer state continue; the schedule with them.
-    drafter2, opt_state, step = load_checkpoint(out, target.num_layers)
+    drafter2, opt_state, step, _ = load_checkpoint(out, target.num_layers)
     assert step == 4
     cfg2 = TrainConfig(steps=6, warmup=1, batch=2, anchors=4)
     resumed = Trainer(target, drafter2, recs, cfg2, out=out, step=step, opt_state=opt_state)

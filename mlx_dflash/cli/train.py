@@ -4,6 +4,7 @@ itself (the work is mlx_dflash.training; recipes in training/README.md)."""
 from __future__ import annotations
 
 import time
+from dataclasses import fields
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,7 +15,7 @@ from ..checkpoints.read import check_pair
 from ..errors import DFlashError
 from ..models.drafter import dflash2_config, init_drafter, load_drafter, reshape_drafter, to_dflash2
 from ..progress import progress
-from ..training.checkpoint import load_checkpoint, saved_seen_tokens
+from ..training.checkpoint import load_checkpoint
 from ..training.data import answer_prompts, done_ids, encode, load_records
 from ..training.trainer import (
     TrainConfig,
@@ -209,18 +210,18 @@ def train_command(
     held_out = prompts[len(prompts) - eval_prompts :]
     sets = {name: [encode(target.tokenizer, p) for p in ps] for name, ps in eval_sets(eval_set)}
     # The drafter comes first: its tapped layers are what answering keeps for training.
-    drafter, opt_state, step, fresh, seen = _starting_drafter(target, a)
+    drafter, opt_state, step, seen, fresh = _starting_drafter(target, a)
     check_pair(drafter.cfg, target.config)
     shard = _answer_prompts(target, drafter, train_prompts, a)
     if gen_only:
         typer.echo(f"Answers in {shard}")
         return
     records = load_records([shard, *answers], own=shard)
-    cfg = _train_config(a)
+    names = {f.name for f in fields(TrainConfig)}  # (--cache-taps's default is settled below)
+    cfg = TrainConfig(**{k: v for k, v in vars(a).items() if k in names})
     if cache_taps is None:
         n_tok = sum(min(len(r["tokens"]), max_len) for r in records)
-        cache_taps = _taps_fit(drafter, target, n_tok)
-    cfg.cache_taps = cache_taps
+        cfg.cache_taps = _taps_fit(drafter, target, n_tok)
     held = [encode(target.tokenizer, p) for p in held_out]
     trainer = Trainer(target, drafter, records, cfg, out=out, eval_prompts=held, step=step,
                       opt_state=opt_state, fresh=fresh, eval_sets=sets, seen_tokens=seen)  # fmt: skip
@@ -280,12 +281,10 @@ def _taps_fit(drafter, target, n_tokens: int) -> bool:
 
 
 def _starting_drafter(target, a: SimpleNamespace):
-    """(drafter, optimizer state, step, fresh, tokens seen): resumed from --out, grown from
+    """(drafter, optimizer state, step, tokens seen, fresh): resumed from --out, grown from
     --init, or new."""
-    out = a.out
-    if a.resume and (out / "model.safetensors").exists():
-        drafter, opt_state, step = load_checkpoint(out, target.num_layers)
-        return drafter, opt_state, step, False, saved_seen_tokens(out)
+    if a.resume and (a.out / "model.safetensors").exists():
+        return (*load_checkpoint(a.out, target.num_layers), False)
     if a.init is not None:
         for flag, value in [("--taps", a.taps), ("--heads", a.heads), ("--window", a.window),
                             ("--mask-token-id", a.mask_token_id)]:  # fmt: skip
@@ -303,7 +302,7 @@ def _starting_drafter(target, a: SimpleNamespace):
             )
         if a.arch == "dflash2" and c.kind == "dflash":
             drafter = to_dflash2(drafter, a.selector_rank, a.selector_top_k, seed=a.seed)
-        return drafter, None, 0, False, 0
+        return drafter, None, 0, 0, False
     taps = _parse_numbers(a.taps, int, "integers") if a.taps else None
     dcfg = new_drafter_config(
         target, a.layers or 2, taps, a.block_size or 16, a.mask_token_id, a.heads, a.window,
@@ -311,11 +310,4 @@ def _starting_drafter(target, a: SimpleNamespace):
     )  # fmt: skip
     if a.arch == "dflash2":
         dcfg = dflash2_config(dcfg, a.selector_rank, a.selector_top_k)
-    return init_drafter(dcfg, seed=a.seed), None, 0, True, 0
-
-
-def _train_config(a: SimpleNamespace) -> TrainConfig:
-    names = ("steps", "lr", "warmup", "batch", "anchors", "gamma", "max_len", "clip", "seed",
-             "eval_every", "eval_tokens", "save_every", "loss_vocab", "negatives",
-             "precondition", "kl_weight")  # fmt: skip
-    return TrainConfig(**{n: getattr(a, n) for n in names})
+    return init_drafter(dcfg, seed=a.seed), None, 0, 0, True

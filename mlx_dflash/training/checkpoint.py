@@ -47,20 +47,12 @@ def save_checkpoint(out: Path, drafter: DFlashDrafter, opt, step: int, meta: dic
 
 
 def load_checkpoint(out: Path, num_target_layers: int):
-    """(drafter, optimizer state or None, step) from a folder `save_checkpoint` wrote."""
+    """(drafter, optimizer state or None, step, response tokens trained on) from a folder
+    `save_checkpoint` wrote (0 for what its state does not record)."""
     drafter = load_drafter(out, num_target_layers=num_target_layers)
-    step = _state(out).get("step", 0)
+    state_file = out / STATE_FILE
+    state = json.loads(state_file.read_text()) if state_file.exists() else {}
     opt_state = None
     if (out / OPT_FILE).exists():
         opt_state = tree_unflatten(list(mx.load(str(out / OPT_FILE)).items()))
-    return drafter, opt_state, step
-
-
-def saved_seen_tokens(out: Path) -> int:
-    """Response tokens trained on before the checkpoint in `out` (0 when not recorded)."""
-    return _state(out).get("seen_tokens", 0)
-
-
-def _state(out: Path) -> dict:
-    state_file = out / STATE_FILE
-    return json.loads(state_file.read_text()) if state_file.exists() else {}
+    return drafter, opt_state, state.get("step", 0), state.get("seen_tokens", 0)

@@ -28,14 +28,6 @@ def encode(tokenizer, prompt: str) -> list[int]:
     return encode_prompt(tokenizer, prompt)
 
 
-def _pick(logits: mx.array, temps: mx.array) -> mx.array:
-    """Per-row greedy (temp 0) or temperature sampling, in one batched op."""
-    greedy = mx.argmax(logits, axis=-1)
-    t = mx.maximum(temps, 1e-4)[:, None]
-    sampled = mx.random.categorical(logits / t)
-    return mx.where(temps > 0, sampled, greedy)
-
-
 def batch_generate(
     model,
     prompts: list[list[int]],
@@ -67,7 +59,10 @@ def batch_generate(
     out: list[list[int]] = [[] for _ in range(B)]
     stop_arr = np.array(sorted(stop), dtype=np.int64)
     for n in range(max_tokens):
-        tok = _pick(logits.astype(mx.float32), t)
+        # Per row, greedy (temp 0) or temperature sampling, in one batched op.
+        logits = logits.astype(mx.float32)
+        sampled = mx.random.categorical(logits / mx.maximum(t, 1e-4)[:, None])
+        tok = mx.where(t > 0, sampled, mx.argmax(logits, axis=-1))
         mx.eval(tok)
         toks = np.array(tok)
         for j, i in enumerate(live):

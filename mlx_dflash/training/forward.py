@@ -193,16 +193,15 @@ def block_loss(drafter, target, batch: dict, gamma: float, kl_weight: float = 0.
     vocab = batch.get("vocab")
     logits = drafter_logits(cfg, target, h[:, :, 1:], vocab).astype(mx.float32)
     pos = anchors[..., None] + mx.arange(1, bs)  # (B, m, bs-1)
-    labels = mx.take_along_axis(
-        tokens, mx.minimum(pos, tokens.shape[1] - 1).reshape(pos.shape[0], -1), axis=1
-    ).reshape(pos.shape)
+    flat = mx.minimum(pos, tokens.shape[1] - 1).reshape(pos.shape[0], -1)  # (B, m*(bs-1))
+    labels = mx.take_along_axis(tokens, flat, axis=1).reshape(pos.shape)
     if vocab is not None:
         labels = batch["lookup"][labels]
     valid = (pos < lengths[:, None, None]).astype(mx.float32)
     w = slot_weights(bs, gamma) * valid
     ce = nn.losses.cross_entropy(logits, labels)
     if kl_weight > 0 and "soft_ids" in batch:
-        ce = _with_soft_targets(ce, logits, batch, pos, kl_weight)
+        ce = _with_soft_targets(ce, logits, batch, flat, kl_weight)
     hits = mx.argmax(logits, axis=-1) == labels
     if cfg.kind == "dflash2":
         prev = mx.concatenate(
@@ -244,14 +243,12 @@ def selector_loss(selector, h, logits, labels, prev, vocab=None):
     return ce, hits & present[..., 0]
 
 
-def _with_soft_targets(ce, logits, batch, pos, kl_weight: float):
-    """(1 - w) * ce + w * cross-entropy against the target's top-k distribution, per slot."""
-    B, m, n = pos.shape
-    T = batch["tokens"].shape[1]
-    flat = mx.minimum(pos, T - 1).reshape(B, m * n)
+def _with_soft_targets(ce, logits, batch, flat, kl_weight: float):
+    """(1 - w) * ce + w * cross-entropy against the target's top-k distribution, per slot
+    (ce: (B, m, n); flat: the (B, m*n) positions of their labels)."""
     k = batch["soft_ids"].shape[-1]
-    ids = mx.take_along_axis(batch["soft_ids"], flat[..., None], axis=1).reshape(B, m, n, k)
-    logp = mx.take_along_axis(batch["soft_logp"], flat[..., None], axis=1).reshape(B, m, n, k)
+    ids = mx.take_along_axis(batch["soft_ids"], flat[..., None], axis=1).reshape(*ce.shape, k)
+    logp = mx.take_along_axis(batch["soft_logp"], flat[..., None], axis=1).reshape(*ce.shape, k)
     if "lookup" in batch:
         ids = batch["lookup"][ids]
         logp = mx.where(ids >= 0, logp, -mx.inf)

@@ -207,18 +207,17 @@ class Trainer:
         self.drafter.draft_vocab = self.vocab
         self.scale = None
         if cfg.precondition:
-            self.scale = tap_scale(self.taps or self._first_batch_taps())
+            taps = self.taps
+            if taps is None:  # uncached: the first batch's rows without their padding
+                b = self.batch(0)
+                taps = [b["taps"][i, :n] for i, n in enumerate(b["lengths"].tolist())]
+            self.scale = tap_scale(taps)
             if self.fresh:
                 self.drafter.fc.weight = self.drafter.fc.weight * self.scale
         self.opt = make_optimizer(cfg)
         if self.opt_state is not None:
             self.opt.state = self.opt_state
         self._grad = nn.value_and_grad(self.drafter, self._loss)
-
-    def _first_batch_taps(self) -> list[mx.array]:
-        """Uncached taps: the first batch's rows without their padding."""
-        b = self.batch(0)
-        return [b["taps"][i, :n] for i, n in enumerate(b["lengths"].tolist())]
 
     def _loss(self, model, batch):
         return block_loss(model, self.target, batch, self.cfg.gamma, self.cfg.kl_weight)
