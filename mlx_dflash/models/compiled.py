@@ -33,8 +33,8 @@ Which device (engine/device.py), chosen once per target at its first load (`choo
   at first use (about 3 s a kernel), and float32 targets take numpy's exponentials there.
 - The drafter's layers and DFlash 2's candidate selector follow the target's choice, unchecked:
   a draft decides only what is proposed, never what is kept (the target verifies every token,
-  and sampling accepts against the q the draft was drawn from), so their bits move tau, not
-  the output.
+  and sampling accepts against the q the draft was drawn from), so their bits move tau, never
+  the greedy output nor the sampled distribution.
 - DFLASH_MLX_COMPILE=1 turns it on anywhere, 0 off (docs/settings.md). scripts/host_time.py
   sets 1 to show the host time a GPU's rounds have.
 """
