@@ -133,6 +133,32 @@ def test_the_engine_reaches_models_through_its_contract_alone():
         assert not defs, f"{p.relative_to(ROOT)}:{defs[0]} forwards attributes (__getattr__)"
 
 
+# The layers beneath the facade, and what each may import (docs/architecture.md, "Rules the
+# layout keeps"): the shared utilities, kernels, the engine, then models with checkpoints.
+BASE = {"errors", "settings", "paths", "atomic", "progress", "_blas"}
+MAY_IMPORT = {
+    "kernels": {"base", "engine.device"},
+    "engine": {"base", "kernels"},
+    "models": {"base", "kernels", "engine", "checkpoints", "distributed"},
+    "checkpoints": {"base", "models"},
+}
+
+
+def layer(dotted: str) -> str:
+    part = dotted.split(".")[1]
+    return "base" if part in BASE else part
+
+
+def test_each_layer_imports_only_what_the_architecture_doc_says():
+    for p in PKG.rglob("*.py"):
+        name = module_name(p)
+        src = layer(name) if "." in name else "facade"
+        for used in imports(p) if src in MAY_IMPORT else ():
+            short = used.removeprefix("mlx_dflash.")
+            allowed = MAY_IMPORT[src] | {src}
+            assert layer(used) in allowed or short in allowed, f"{name} imports {used}"
+
+
 def test_the_environment_is_read_once_into_settings():
     """Only settings.py reads os.environ (SETTINGS, at import); distributed.py may ask whether
     mlx.launch started the process (mlx's own variables, LAUNCH_ENV)."""
