@@ -310,6 +310,13 @@ def test_published_pairs_fit_and_misfits_get_one_sentence():
         assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("key", ["attention_value_scale", "output_multiplier"])
+def test_a_non_number_where_a_drafter_scale_belongs_is_one_sentence(key):
+    with pytest.raises(DFlashError, match=f"{key} must be a number") as e:
+        DrafterConfig.from_dict({**published("qwen3.5-4b"), key: "abc"})
+    assert "\n" not in str(e.value)
+
+
 def test_muse_assistant_header_is_what_we_expect(tmp_path, targets):
     """The assistant's 58 published tensors are exactly what the code under test expects (after
     its renames), at their published shapes; shrunk, under exactly those names and dtype, they

@@ -159,8 +159,14 @@ def _attention_fields(cfg: dict, dcfg: dict, head_dim: int) -> dict[str, Any]:
 
 def _optional_floats(cfg: dict, dcfg: dict) -> dict[str, Any]:
     """OPTIONAL_FLOATS as numbers, None where the config has none."""
-    values = {k: dcfg.get(k, cfg.get(k)) for k in OPTIONAL_FLOATS}
-    return {k: None if v is None else float(v) for k, v in values.items()}
+    out = {}
+    for k in OPTIONAL_FLOATS:
+        v = dcfg.get(k, cfg.get(k))
+        try:
+            out[k] = None if v is None else float(v)
+        except (TypeError, ValueError):
+            raise DFlashError(f"The drafter's {k} must be a number, not {v!r}.") from None
+    return out
 
 
 def _dflash2_fields(cfg: dict, dcfg: dict, hidden: int) -> dict[str, int]:
