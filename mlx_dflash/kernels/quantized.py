@@ -1,15 +1,11 @@
 """Small-M quantized matmul for verify forwards (metal/quantized_matmul.metal).
 
-A verify multiplies its 2..32 token rows by every quantized weight of the target. Stock MLX
-does that with `mx.quantized_matmul`, whose kernels are built for one row (qmv) or for many
-(qmm, 32-row tiles): between them a 16-row verify of a 4-bit target costs 4.5-6.3 one-row steps
-on Apple GPUs (docs/kernels.md). The kernel here reads and dequantizes each weight tile once for
-all the rows, and multiplies with 8x8 simdgroup matrices. Device class: Metal only.
-
-The reference with identical semantics is `mx.quantized_matmul` itself (affine quantization,
-w transposed, as nn.QuantizedLinear calls it). Whether the kernel runs for a layer and a row
-count is decided on the user's Mac by measurement (models/quantized.py); this module holds the
-kernel, its launch geometry and its on-device self-check.
+Stock MLX's `mx.quantized_matmul` has kernels for one row and for many, and a 2..32-row verify
+falls between them; this one reads and dequantizes each weight tile once for all the rows
+(docs/kernels.md, "Quantized verify matmul"). Device class: Metal only. Its reference is
+`mx.quantized_matmul` itself; whether it runs for a layer and a row count is measured on the
+user's Mac (models/quantized.py). This module holds the kernel, its launch geometry and its
+on-device self-check.
 """
 
 from __future__ import annotations

@@ -9,12 +9,9 @@ with one scatter, and the rows taking a one-token causal step (plain decoding, t
 pass in a batch) attend in one batched attention over the buffer, whatever their number. Trees
 and blocks still attend row by row, over a view of their slot.
 
-Each slot is a `SlotCache`, the engine's Cache (trim, compact, rewind) over its rows of the
-buffer. A row's caches move into the arena when it first joins a packed forward and back out
-when it ends (`adopt`, `release`: one copy each), so sessions outside a batch, the prefix
-cache's among them, hold plain KVCaches.
-
-A buffer is updated in place only while nothing else refers to it (MLX copies it otherwise), so
+Each slot is a `SlotCache`, the engine's Cache over its rows of the buffer; caches move in
+and out with `adopt` and `release` (docs/batching.md, "A KV arena shared by the rows"). A
+buffer is updated in place only while nothing else refers to it (MLX copies it otherwise), so
 within a layer every write goes in before any read, and `release` evaluates what it copies out.
 """
 

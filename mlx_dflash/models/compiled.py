@@ -158,7 +158,7 @@ def _set(target, on: bool) -> None:
 def choose(target, timer=measure) -> bool:
     """Whether `target`'s layers run compiled here (the module doc): the setting, else off on
     the CPU and on a sharded target, else measured once on a GPU (then cached)."""
-    from .queueing import _measured
+    from .queueing import faster
 
     target.compile_timings = None
     value = SETTINGS.choice("compile", ("auto", "0", "1"))  # DFLASH_MLX_COMPILE
@@ -166,6 +166,4 @@ def choose(target, timer=measure) -> bool:
         return value == "1"
     if device.on_cpu() or target.world.sharded:
         return False
-    times = _measured(target, "-compile", ("plain", "compiled"), timer)
-    target.compile_timings = times
-    return times["compiled"] < times["plain"]
+    return faster(target, "-compile", ("plain", "compiled"), timer, "compile_timings")

@@ -2,18 +2,11 @@
 kernel (kernels/quantized.py) wherever a calibration on this Mac found the kernel right and
 faster than stock MLX for that layer's shape and that row count. Device class: Metal only.
 
-At load (`install`, called by models/target.py on Metal), every `nn.QuantizedLinear` of the
-target (the LM head included, and a tied head through the embedding's weights) is replaced, as
-an instance, by a `VerifyLinear`: the same arrays under the same names, a subclass of MLX's own
-class (mlx-lm's classes are never patched), whose call picks the path from the calibration.
-
-The calibration (`calibrate`), once per model and machine, cached beside the verify profile:
-1. for each distinct layer shape, the kernel's output against stock MLX on this device at the
-   model's dtype (a kernel that disagrees on any shape is never used, and `doctor` says so);
-2. stock MLX and the kernel timed at each row count of ROW_COUNTS (a progress bar); a row
-   count takes the kernel for a shape only where it measured faster.
-So the kernel can make a verify neither wrong nor slower than stock MLX. The auto budget's
-verify profile is then measured with the chosen paths (its cache key names the choice).
+At load (`install`) every affine `nn.QuantizedLinear` of the target, the LM head included, is
+replaced as an instance by a `VerifyLinear` (a tied head gets a `TiedHead`); the calibration
+(`calibrate`: checked against stock MLX per shape, then timed at each of ROW_COUNTS) runs once
+per model and machine; docs/kernels.md, "Chosen per Mac, per model, by measurement". So the
+kernel can make a verify neither wrong nor slower than stock MLX.
 """
 
 from __future__ import annotations
@@ -178,16 +171,16 @@ class MetalDevice:
         except Exception:
             return "gpu"
 
-    def case(self, layer, m: int):
+    def case(self, layer, m: int) -> tuple[mx.array, tuple]:
         x = mx.random.normal((m, int(layer.weight.shape[1]) * 32 // layer.bits))
-        return x.astype(layer.scales.dtype)
+        args = (layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits)
+        return x.astype(layer.scales.dtype), args
 
     def check(self, layer) -> str | None:
         """None when the kernel agrees with stock MLX on this layer (at 3 and 16 rows), else
         what differs."""
         for m in (3, 16):
-            x = self.case(layer, m)
-            args = (layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits)
+            x, args = self.case(layer, m)
             try:
                 got = self.kernel(x, *args)
                 want = qk.float32_reference(x, *args)
@@ -200,8 +193,7 @@ class MetalDevice:
         return None
 
     def time(self, layer, m: int, path: str) -> float:
-        x = self.case(layer, m)
-        args = (layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits)
+        x, args = self.case(layer, m)
         fn = self.kernel if path == "kernel" else qk.quantized_matmul_reference
         mx.eval(fn(x, *args))
         best = float("inf")

@@ -12,14 +12,13 @@ which MLX commits every 40-50 operations anyway). The drafter's pass follows the
   it measured faster, so it can never make a verify slower. Cached per model and machine beside
   the verify profile, shown by `dflash-mlx doctor -m MODEL`.
 
-Queued by layer on the CPU backend, Python builds while MLX's evaluation thread computes, and
-both share the cores with OpenBLAS's own threads. On a 2-core machine, OpenBLAS's second thread
-took the core Python needed: a tiny target's block round was 25-30% slower with it, and its
-time spread twice as wide (docs/host-time.md), while a compute-bound target's verify was 1.6x
-faster with it. So a float32 target (`blas_weights`) times the same verify, queued by layer as
-the CPU runs it, with OpenBLAS's threads as loaded and with one fewer (a core left to Python),
-and keeps one fewer only where it measured faster; cached and shown the same way. OpenBLAS's
-thread count is the process's: the target loaded last sets it (a CPU trick, engine/device.py).
+Queued by layer on the CPU backend, Python building the next layer, MLX's evaluation thread
+and OpenBLAS's second thread want the cores at once: a tiny target's rounds were slower with
+that thread, a compute-bound target's faster (docs/host-time.md, "OpenBLAS's second thread").
+So a float32 target (`blas_weights`) times block rounds with OpenBLAS's threads as loaded and
+with one fewer, keeping one fewer only where it measured faster; cached and shown the same way.
+OpenBLAS's thread count is the process's: the target loaded last sets it (a CPU trick,
+engine/device.py).
 """
 
 from __future__ import annotations
@@ -100,9 +99,7 @@ def choose(target, timer=measure, thread_timer=measure_threads) -> bool:
         choose_threads(target, thread_timer)
     if device.on_cpu() or target.world.sharded:
         return device.queues_layers()
-    times = _measured(target, "-queue", ("whole", "by_layer"), timer)
-    target.queue_timings = times
-    return times["by_layer"] < times["whole"]
+    return faster(target, "-queue", ("whole", "by_layer"), timer, "queue_timings")
 
 
 def choose_threads(target, timer=measure_threads) -> int:
@@ -111,17 +108,18 @@ def choose_threads(target, timer=measure_threads) -> int:
     n = _blas.LOADED_THREADS
     target.blas_timings = None
     if n > 1 and blas_weights(target):
-        times = _measured(
-            target, "-blas-threads", (str(n), str(n - 1)), lambda t: timer(t, (n, n - 1))
-        )
-        target.blas_timings = times
-        n = n - 1 if times[str(n - 1)] < times[str(n)] else n
+        ways = (str(n), str(n - 1))
+        if faster(target, "-blas-threads", ways, lambda t: timer(t, (n, n - 1)), "blas_timings"):
+            n -= 1
     _blas.set_threads(n)
     return n
 
 
-def _measured(target, suffix: str, ways: tuple[str, ...], timer) -> dict[str, float]:
-    """timer(target)'s seconds by way, measured once per model and machine (cached beside the
-    verify profile)."""
+def faster(target, suffix: str, ways: tuple[str, str], timer, record: str) -> bool:
+    """Whether the second way beat the first in timer(target)'s seconds by way, measured once
+    per model and machine (cached beside the verify profile); the times go to target.`record`
+    for doctor."""
     parse = lambda d: {way: float(d[way]) for way in ways}  # noqa: E731
-    return measured(profile_name(target) + suffix, parse, lambda: timer(target), dict)
+    times = measured(profile_name(target) + suffix, parse, lambda: timer(target), dict)
+    setattr(target, record, times)
+    return times[ways[1]] < times[ways[0]]
