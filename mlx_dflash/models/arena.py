@@ -1,8 +1,8 @@
 """One key/value buffer per attention layer shared by the rows of a batch (engine/batch.py).
 
 A packed forward (models/forward.py) reads every weight once for all rows, but with each row's
-cache its own array, attention ran row by row: ~15 small MLX ops per row per layer, ~150 us
-each on the CPU backend whatever their size, the whole gap between 8 one-token rows packed and
+cache its own array, attention ran row by row: ~15 small MLX ops per row per layer, ~120 us
+a row's layer on the CPU backend whatever their size, the whole gap between 8 one-token rows packed and
 one 8-token row (docs/batching.md). Here the rows' keys and values live in one (slots, kv
 heads, capacity, head dim) buffer per layer, a row a slot: a layer writes every row's new keys
 with one scatter, and the rows taking a one-token causal step (plain decoding, the most common
