@@ -6,14 +6,8 @@ them), every rank loads the target lazily, keeps its tensor-parallel shard throu
 each forward, so hidden states, taps and logits are the same on every rank, and the small
 drafter simply runs replicated (cheaper than gathering taps to one rank and sending drafts back).
 
-What must never differ between ranks is a decision taken on the host: drafts, the tree, how many
-drafts are accepted, sampling draws, `--budget auto`'s tree size and its pacer (which read the
-wall clock). Each is taken on rank 0 and broadcast (`World.agree`); no rank decides from its own
-clock or random state. Only rank 0 prints.
-
-A rank that dies: `mlx.launch` stops the others (SIGTERM), which print one sentence and exit;
-a rank that stops answering without dying trips the watchdog (no progress for `timeout`
-seconds) with the same kind of sentence, instead of a hang.
+Every decision taken on the host is taken on rank 0 and broadcast (`World.agree`); only rank 0
+prints. Which decisions, collective order, and what a dead or hung rank does: docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -132,8 +126,7 @@ class LocalWorld:
     def all_true(self, flag: bool) -> bool:
         return bool(flag)
 
-    def agree_seq(self, values) -> np.ndarray:
-        return np.asarray(values, dtype=np.int64)
+    agree_seq = agree
 
     def agree_device(self, x: mx.array) -> mx.array:
         return x

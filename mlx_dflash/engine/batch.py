@@ -1,16 +1,9 @@
 """Batched rounds: several generations share every target forward.
 
-Every kind of round (DFlash blocks, DDTree trees, lookup, grammar, DFlash 2 lattices, plain
-steps, prefill chunks) reaches the target through `Session.target.forward`. Here that target is
-a `BatchedTarget`: its forward leaves the row's pass with the `Batcher` and suspends the row;
-once every row has either asked for a forward or ended, the pending passes run as one packed
-forward (models/forward.py: weights read once for all rows) and each row resumes with its own
-result. So rows join and leave between any two forwards, each keeps its own caches,
-acceptance, trims and compactions, and the round code is the one a single generation runs.
-
-Rows are greenlets on the calling thread: MLX streams belong to a thread (an array made on one
-cannot be evaluated on another), so the rows must share the thread, and greenlets let a row
-suspend inside a forward without turning every round function into a generator.
+Every kind of round reaches the target through `Session.target.forward`. Here that target is a
+`BatchedTarget`, whose forward suspends the row (a greenlet on the calling thread) until every
+row has asked for a forward or ended; the pending passes then run as one packed forward. Why
+rows are greenlets and what each row keeps: docs/batching.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Answer corpus: lookup branches from the target's past answers (docs/lookup.md).
 
-Prompt lookup copies from the text at hand; a model also repeats itself *across* answers: the
-same openings ("Here's a Python function that"), the same idioms (`for i in range(len(`),
-the same fences and test scaffolds. SuffixDecoding (Oliaro et al., 2024; vLLM's `suffix`
-method) drafts from a suffix index over earlier outputs for that reason. Here the corpus is a
-file of token sequences the same target wrote (the `answers.jsonl` that `dflash-mlx train`
-writes, or any JSONL with a `tokens` list a line). Where the text at hand has no match, the
-continuations of the longest suffix n-gram that the corpus holds join the tree as lookup
-branches, the most frequent first; the budget cuts them by their own measured acceptance.
-
-The index is numpy arrays, not a dict of tuples: one sorted array of 64-bit n-gram hashes per
-n, with the positions after them (about 16 bytes per token per n; a 370K-token corpus indexes
-in well under a second). Hash matches are checked against the tokens, so a collision costs a
-lookup, never a wrong draft (and no draft can be wrong for the output: the verify decides).
+Where the text at hand has no match, the continuations of the longest suffix n-gram that a
+file of the same target's answers holds join the tree as lookup branches, the most frequent
+first. The index is numpy arrays, not a dict of tuples: one sorted array of 64-bit n-gram
+hashes per n, with the positions after them (about 16 bytes per token per n).
 """
 
 from __future__ import annotations

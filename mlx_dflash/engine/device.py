@@ -1,23 +1,13 @@
 """The device class every speed trick names, and Metal hygiene.
 
-`device_class()` is the one place that tells the three regimes apart (docs/kernels.md):
-- "metal": an Apple GPU, what users run. Custom Metal kernels (tree attention, Gated DeltaNet,
-  the small-M quantized matmul) and `wired` / `compute` below.
-- "gpu": another GPU through MLX's CUDA backend. Neither Metal kernels nor CPU tricks: stock MLX.
-- "cpu": MLX's CPU backend (this project's Linux bench). CPU tricks only: numpy exponentials
-  (kernels/cpu_math.py), the BLAS row padding (models/padding.py), host-side top-k and lattice
-  sums (engine/tree.py, engine/lattice.py), the CPU attention path (kernels/cpu_attention.py),
-  a verify queued layer by layer without timing it (`queues_layers`), and OpenBLAS's thread
-  count, timed per float32 target (models/queueing.py).
-A CPU trick asks `device_class() == "cpu"`, never "not Metal", so it never runs on a GPU.
+`device_class()` is the one place that tells the three regimes ("metal", "gpu", "cpu") apart;
+docs/kernels.md lists what runs in each. A CPU trick asks `device_class() == "cpu"`, never
+"not Metal", so it never runs on a GPU.
 
 Queueing a pass whole is not a per-class choice: every device queues the drafter's pass
-(`mx.async_eval`) and does its host work meanwhile (the verify's graph in a block round, the
-lookup branch search in a tree round), as mlx-lm's and z-lab's loops do. A tree round queues
+(`mx.async_eval`) and does its host work meanwhile (docs/host-time.md). A tree round queues
 with the pass what its tree reads (Proposal.queue: on a GPU each depth's top candidates, and a
-DFlash 2 lattice's scores), so its wait finds them computed. On a GPU the device
-computes while Python runs; on the CPU backend MLX's evaluation thread takes the other core,
-and measured paired on this bench (docs/host-time.md) it was 1-4% faster, never slower.
+DFlash 2 lattice's scores), so its wait finds them computed.
 
 Metal hygiene, as mlx-lm does it: generation runs with the weights wired (`wired`) and on a
 stream of its own (`compute`). Both are Apple-GPU matters; on any other device both are no-ops.

@@ -2,17 +2,10 @@
 
 The constrained output is the target's own constrained decoding: at every position the target's
 logits are masked to the tokens the grammar allows, then greedy or sampling picks as usual.
-Speculation keeps that exact and gains from it twice:
-- drafts the grammar forbids are pruned before the verify, so no verify budget is spent on them;
-- where the grammar allows a single continuation (`": "`, a closing brace, a schema's fixed keys)
-  those tokens are certain drafts: they cost no drafter work and the masked target accepts them
-  with probability one.
-
-The grammar engine is llguidance (the library vLLM, SGLang and llama.cpp use): it compiles JSON
-schemas, regexes and Lark grammars, rolls back consumed tokens and computes the forced run
-("fast-forward tokens"), which is all a tree round needs. We write no schema-to-grammar code.
-xgrammar was measured too (docs/structured.md): its masks are faster still, but it imports torch,
-transformers and triton (5.7 GB here), for a cost both keep far below 1% of a decoding step.
+Speculation keeps that exact and gains from it twice: forbidden drafts are pruned before the
+verify, and a forced run is certain drafts. The grammar engine is llguidance, which compiles
+schemas, regexes and Lark grammars, rolls back and computes the forced run; why not xgrammar:
+docs/structured.md.
 """
 
 from __future__ import annotations

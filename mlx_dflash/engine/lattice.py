@@ -1,11 +1,6 @@
 """A DFlash 2 drafter's proposal: a lattice of k candidates per block position whose scores
-depend on the previous position's token (../shared/docs/dflash2.md §2.4).
-
-The drafts are a walk through it: greedy takes each position's best candidate given the one
-before (exactly z-lab's selector), sampling draws from softmax(score / T) over the k candidates,
-and that sparse q is what the acceptance rule divides by. DDTree expands the lattice best-first:
-a node's children are the next position's candidates scored with the node's own token as the
-predecessor, so the tree follows the pairwise term instead of independent marginals.
+depend on the previous position's token (../shared/docs/dflash2.md §2.4). How greedy, sampled
+and DDTree drafts walk it: docs/dflash.md.
 
 The tree's path probabilities keep the drafter's mass off the candidates: a child's
 probability is exp(score) over its candidates' exp(score) *plus* the logits' mass on every

@@ -183,13 +183,12 @@ def plain_round(
     mask = grammar.mask() if grammar is not None else None
     tok = session.agree([_pick(logits, sampling, rng, grammar, mask)])[0]
     session.commit([last], taps)
-    masks = [mask] if mask is not None and logprobs is not None else None
     if grammar is not None:
         grammar.accept([tok])
     lps = None
     if logprobs is not None:
         assert logits is not None
-        lps = token_logprobs(logits, [0], [tok], logprobs, masks)
+        lps = token_logprobs(logits, [0], [tok], logprobs, None if mask is None else [mask])
     return Round([tok], 1, 0, t_verify=time.perf_counter() - t0, logprobs=lps)
 
 
