@@ -41,6 +41,8 @@ Which device (engine/device.py), chosen once per target at its first load (`choo
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 import numpy as np
 
@@ -105,6 +107,18 @@ def layer(target, i: int, h: mx.array, span, at: mx.array) -> mx.array:
     out = attend_cached(lay.self_attn, q, k, v, p.cache[i], p.start, span.positions,
                         span.parents, span.masks, target.windows[i])  # fmt: skip
     return after(h, out, *gate)
+
+
+def compiled_once(module, make: Callable[[], tuple[Callable, ...]]) -> tuple[Callable, ...]:
+    """make()'s functions through mx.compile with `module`'s weights as their inputs (so a
+    weight changed in place is never stale), compiled at the first call and kept in the
+    module's __dict__ (not a child module: off its weights). The drafter's layers and DFlash
+    2's selector run this way where the target's layers run compiled."""
+    fns = module.__dict__.get("_dflash_compiled")
+    if fns is None:
+        fns = tuple(mx.compile(f, inputs=module.state) for f in make())
+        module.__dict__["_dflash_compiled"] = fns
+    return fns
 
 
 def measure(target, repeats: int = REPEATS) -> dict[str, float]:

@@ -12,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..engine.lattice import Lattice
+from .compiled import compiled_once
 
 
 class GroupedDynamicConv(nn.Module):
@@ -76,11 +77,7 @@ class CandidateSelector(nn.Module):
         (models/compiled.py: on a GPU, where its fused arithmetic measured bit-exact): about
         20 operations a pass are one call for the host, traced once a block size. Its only
         arithmetic is products and sums, so nothing a fused kernel could contract."""
-        fn = self._scores
-        if compiled:  # (kept in __dict__, not as a child module: off the weights)
-            if "_dflash_compiled" not in self.__dict__:
-                self.__dict__["_dflash_compiled"] = mx.compile(self._scores, inputs=self.state)
-            fn = self.__dict__["_dflash_compiled"]
+        fn = compiled_once(self, lambda: (self._scores,))[0] if compiled else self._scores
         cand, first, pairs = fn(hidden, logits, mx.array([anchor]))
         return Lattice(cand, first, pairs, logits)  # logits: lattice_tree's
 

@@ -29,6 +29,7 @@ from ..kernels import cpu_math
 from ..kernels.cpu_attention import cpu_attention, use_cpu_attention
 from .attention import module_attr, rope_at
 from .cache import ContextCache
+from .compiled import compiled_once
 from .dflash2 import CandidateSelector, GroupedDynamicConv
 from .drafter_config import DrafterConfig
 
@@ -144,11 +145,7 @@ class DrafterLayer(nn.Module):
         mx.compile (models/compiled.py: the drafter's pass has the same shapes every round),
         the weights their inputs."""
         if compile_:
-            fns = self.__dict__.get("_dflash_compiled")  # (not a child: kept off the weights)
-            if fns is None:
-                fns = tuple(mx.compile(f, inputs=self.state) for f in self.halves())
-                self.__dict__["_dflash_compiled"] = fns
-            before, after = fns
+            before, after = compiled_once(self, self.halves)
             offset = mx.array(offset, dtype=mx.int32)
         else:
             before, after = self.halves(len(caches))
